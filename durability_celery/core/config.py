@@ -1,0 +1,123 @@
+# Validated, frozen settings of one semaphore: provisioning modes, leases and
+# round timing. Bad values fail here, at construction, naming the setting.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigurationError
+
+MAX_COUNT = 1_000_000_000
+"""Upper bound for any count on the wire or in settings; larger is absurd."""
+
+
+def _positive_int(name: str, value: object, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"{name} must be an int, got {type(value).__name__}")
+    if not minimum <= value <= MAX_COUNT:
+        raise ConfigurationError(f"{name} must be between {minimum} and {MAX_COUNT}, got {value}")
+    return value
+
+
+def _seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < minimum or seconds > 366 * 86400:
+        raise ConfigurationError(f"{name} must be between {minimum} and 31622400 seconds, got {value}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Strict:
+    """Leases share the limit with grants: grants first, leases from what is left."""
+
+    mode: Literal["strict"] = "strict"
+
+
+@dataclass(frozen=True)
+class Under:
+    """Keep `reserve` permits inside the limit for leases; grants get `limit - reserve` (at least 1)."""
+
+    reserve: int = 0
+    mode: Literal["under"] = "under"
+
+    def __post_init__(self) -> None:
+        _positive_int("Under.reserve", self.reserve, minimum=0)
+
+
+@dataclass(frozen=True)
+class Over:
+    """Leases draw from `extra` permits above the limit (a count, or a ratio of the limit)."""
+
+    extra: int | None = None
+    ratio: float | None = None
+    mode: Literal["over"] = "over"
+
+    def __post_init__(self) -> None:
+        if (self.extra is None) == (self.ratio is None):
+            raise ConfigurationError("Over needs exactly one of extra= (a count) or ratio= (of the limit)")
+        if self.extra is not None:
+            _positive_int("Over.extra", self.extra, minimum=0)
+        if self.ratio is not None:
+            ratio = _seconds("Over.ratio", self.ratio)
+            if ratio > 100:
+                raise ConfigurationError(f"Over.ratio must be between 0 and 100, got {self.ratio}")
+
+    def extra_for(self, limit: int) -> int:
+        """Permits above `limit` that leases may use."""
+        if self.extra is not None:
+            return self.extra
+        assert self.ratio is not None
+        return math.floor(limit * self.ratio)
+
+
+Provisioning = Strict | Under | Over
+LimitedGroups = Literal["exclude", "within_group_limit"]
+
+
+@dataclass(frozen=True)
+class Leases:
+    """Blocks of permits that clients draw locally, one per task, with no round trip."""
+
+    provisioning: Provisioning = Strict()
+    permits_per_lease: int = 64
+    ttl: float = 1800.0
+    limited_groups: LimitedGroups = "exclude"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.provisioning, Strict | Under | Over):
+            raise ConfigurationError("Leases.provisioning must be Strict(), Under(...) or Over(...)")
+        _positive_int("Leases.permits_per_lease", self.permits_per_lease)
+        _seconds("Leases.ttl", self.ttl, minimum=1.0)
+        if self.limited_groups not in ("exclude", "within_group_limit"):
+            raise ConfigurationError(
+                "Leases.limited_groups must be 'exclude' or 'within_group_limit', "
+                f"got {self.limited_groups!r}"
+            )
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """What a round needs to know besides state and messages."""
+
+    semaphore: str
+    grant_timeout: float = 10.0
+    round_wait: float = 1.0
+    round_period: float = 2.0
+    leases: Leases | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.semaphore, str) or not 0 < len(self.semaphore) <= 200:
+            raise ConfigurationError("semaphore name must be a non-empty string of at most 200 chars")
+        _seconds("grant_timeout", self.grant_timeout, minimum=0.001)
+        _seconds("round_wait", self.round_wait)
+        _seconds("round_period", self.round_period)
+        if self.leases is not None and not isinstance(self.leases, Leases):
+            raise ConfigurationError("leases must be None or a Leases(...) instance")
+
+
+def validate_limit_value(name: str, value: object) -> int:
+    """A resolved limit: a non-negative int within bounds (raises ConfigurationError)."""
+    return _positive_int(name, value, minimum=0)

@@ -1,0 +1,212 @@
+# Wire messages of the holder protocol (JSON, version 1): parsing with strict
+# validation, and the shapes of responses. A message that fails validation
+# raises InvalidMessage naming the field; parsing never changes any state.
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..errors import InvalidMessage
+from .config import MAX_COUNT
+
+VERSION = 1
+MAX_ID_LENGTH = 200
+MAX_ENTRIES = 10_000
+"""Most demand entries, grant reports or lease reports one message may carry."""
+
+BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
+
+
+@dataclass(frozen=True)
+class DemandEntry:
+    """Queued items of one group that hold no permit yet."""
+
+    group: str | None
+    count: int
+    oldest_at: float
+
+
+@dataclass(frozen=True)
+class GrantReport:
+    grant_id: str
+    claimed: int
+    released: int
+
+
+@dataclass(frozen=True)
+class LeaseReport:
+    lease_id: str
+    drawn: int
+    released: int
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated `request` or `sync` message (a sync carries no demand)."""
+
+    type: Literal["request", "sync"]
+    client_id: str
+    demand: tuple[DemandEntry, ...] = ()
+    grants: tuple[GrantReport, ...] = ()
+    leases: tuple[LeaseReport, ...] = ()
+    supports_leases: bool = False
+
+    def to_wire(self, *, semaphore: str, key: str) -> dict[str, Any]:
+        """The JSON-ready form, as a client sends it."""
+        message: dict[str, Any] = {
+            "type": self.type,
+            "v": VERSION,
+            "semaphore": semaphore,
+            "key": key,
+            "client_id": self.client_id,
+            "grants": [
+                {"grant_id": g.grant_id, "claimed": g.claimed, "released": g.released}
+                for g in self.grants
+            ],
+            "leases": [
+                {"lease_id": lr.lease_id, "drawn": lr.drawn, "released": lr.released,
+                 "stopped": lr.stopped}
+                for lr in self.leases
+            ],
+            "supports_leases": self.supports_leases,
+        }
+        if self.type == "request":
+            message["demand"] = [
+                {"group": d.group, "count": d.count, "oldest_at": d.oldest_at} for d in self.demand
+            ]
+        return message
+
+
+def error_response(exc: InvalidMessage) -> dict[str, Any]:
+    """What a rejected message gets in place of a round's response."""
+    return {"v": VERSION, "error": {"code": exc.code, "message": str(exc)}}
+
+
+def _field(obj: Mapping[str, Any], name: str, where: str) -> Any:
+    if name not in obj:
+        raise InvalidMessage(f"{where}{name}", "is required")
+    return obj[name]
+
+
+def _string(value: Any, field: str, *, nullable: bool = False) -> str | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise InvalidMessage(field, f"must be a non-empty string of at most {MAX_ID_LENGTH} chars")
+    return value
+
+
+def _count(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidMessage(field, "must be an integer")
+    if not 0 <= value <= MAX_COUNT:
+        raise InvalidMessage(field, f"must be between 0 and {MAX_COUNT}, got {value}")
+    return value
+
+
+def _time(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidMessage(field, "must be a number (epoch seconds)")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidMessage(field, "must be a finite, non-negative epoch time")
+    return float(value)
+
+
+def _entries(message: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
+    value = message.get(name, [])
+    if not isinstance(value, list):
+        raise InvalidMessage(name, "must be a list")
+    if len(value) > MAX_ENTRIES:
+        raise InvalidMessage(name, f"has more than {MAX_ENTRIES} entries")
+    for i, entry in enumerate(value):
+        if not isinstance(entry, Mapping):
+            raise InvalidMessage(f"{name}[{i}]", "must be an object")
+    return value
+
+
+def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
+    seen: set[str | None] = set()
+    demand = []
+    for i, raw in enumerate(_entries(message, "demand")):
+        where = f"demand[{i}]."
+        group = _string(_field(raw, "group", where), f"{where}group", nullable=True)
+        if group in seen:
+            raise InvalidMessage(f"{where}group", f"{group!r} appears twice")
+        seen.add(group)
+        count = _count(_field(raw, "count", where), f"{where}count")
+        oldest_at = _time(_field(raw, "oldest_at", where), f"{where}oldest_at")
+        demand.append(DemandEntry(group, count, oldest_at))
+    return tuple(demand)
+
+
+def _grant_reports(message: Mapping[str, Any]) -> tuple[GrantReport, ...]:
+    seen: set[str] = set()
+    reports = []
+    for i, raw in enumerate(_entries(message, "grants")):
+        where = f"grants[{i}]."
+        grant_id = _string(_field(raw, "grant_id", where), f"{where}grant_id")
+        assert grant_id is not None
+        if grant_id in seen:
+            raise InvalidMessage(f"{where}grant_id", f"{grant_id!r} appears twice")
+        seen.add(grant_id)
+        claimed = _count(_field(raw, "claimed", where), f"{where}claimed")
+        released = _count(_field(raw, "released", where), f"{where}released")
+        if released > claimed:
+            raise InvalidMessage(f"{where}released", "cannot exceed claimed")
+        reports.append(GrantReport(grant_id, claimed, released))
+    return tuple(reports)
+
+
+def _lease_reports(message: Mapping[str, Any]) -> tuple[LeaseReport, ...]:
+    seen: set[str] = set()
+    reports = []
+    for i, raw in enumerate(_entries(message, "leases")):
+        where = f"leases[{i}]."
+        lease_id = _string(_field(raw, "lease_id", where), f"{where}lease_id")
+        assert lease_id is not None
+        if lease_id in seen:
+            raise InvalidMessage(f"{where}lease_id", f"{lease_id!r} appears twice")
+        seen.add(lease_id)
+        drawn = _count(_field(raw, "drawn", where), f"{where}drawn")
+        released = _count(_field(raw, "released", where), f"{where}released")
+        if released > drawn:
+            raise InvalidMessage(f"{where}released", "cannot exceed drawn")
+        stopped = raw.get("stopped", False)
+        if not isinstance(stopped, bool):
+            raise InvalidMessage(f"{where}stopped", "must be a boolean")
+        reports.append(LeaseReport(lease_id, drawn, released, stopped))
+    return tuple(reports)
+
+
+def parse_request(raw: object, *, semaphore: str, key: str) -> Request:
+    """Validate one wire message addressed to (semaphore, key)."""
+    if not isinstance(raw, Mapping):
+        raise InvalidMessage("message", "must be a JSON object")
+    kind = _field(raw, "type", "")
+    if kind not in ("request", "sync"):
+        raise InvalidMessage("type", f"must be 'request' or 'sync', got {kind!r}")
+    version = _field(raw, "v", "")
+    if isinstance(version, bool) or version != VERSION:
+        raise InvalidMessage("v", f"unsupported version {version!r}; this holder speaks {VERSION}")
+    if _field(raw, "semaphore", "") != semaphore:
+        raise InvalidMessage("semaphore", f"this holder serves {semaphore!r}")
+    if _field(raw, "key", "") != key:
+        raise InvalidMessage("key", f"message was routed to key {key!r}")
+    client_id = _string(_field(raw, "client_id", ""), "client_id")
+    assert client_id is not None
+    if kind == "sync" and raw.get("demand"):
+        raise InvalidMessage("demand", "a sync message carries no demand")
+    supports_leases = raw.get("supports_leases", False)
+    if not isinstance(supports_leases, bool):
+        raise InvalidMessage("supports_leases", "must be a boolean")
+    return Request(
+        type=kind,
+        client_id=client_id,
+        demand=_demand(raw) if kind == "request" else (),
+        grants=_grant_reports(raw),
+        leases=_lease_reports(raw),
+        supports_leases=supports_leases,
+    )

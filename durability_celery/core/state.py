@@ -1,0 +1,146 @@
+# Grants and leases, and every legal move of their state machines. This module
+# owns those moves: nothing else changes a status; an illegal move raises
+# IllegalTransition naming the id, the state and the event.
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from ..errors import IllegalTransition
+
+GrantStatus = Literal["active", "expired"]
+LeaseStatus = Literal["active", "retired"]
+
+# (state, event) -> next state. "expired" means unclaimed permits were reclaimed:
+# `permits` has shrunk to what was claimed, so later claims clamp to it.
+GRANT_MOVES: dict[tuple[str, str], GrantStatus] = {
+    ("active", "report"): "active",
+    ("active", "reclaim"): "expired",
+    ("expired", "report"): "expired",
+}
+
+# "retired" leases draw no more; they stay counted (in full until the client
+# confirms its final `drawn`, then `drawn - released`) until settled.
+LEASE_MOVES: dict[tuple[str, str], LeaseStatus] = {
+    ("active", "report"): "active",
+    ("active", "stop"): "retired",
+    ("active", "retire"): "retired",
+    ("retired", "report"): "retired",
+    ("retired", "stop"): "retired",
+}
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Permits given to one (client, group) in one round."""
+
+    grant_id: str
+    client_id: str
+    group: str | None
+    permits: int
+    claimed: int
+    released: int
+    created_at: float
+    claim_deadline: float
+    status: GrantStatus = "active"
+
+    @property
+    def footprint(self) -> int:
+        """What this grant counts against the budget: unclaimed permits count until reclaimed."""
+        return self.permits - self.released
+
+    @property
+    def unclaimed(self) -> int:
+        return self.permits - self.claimed
+
+    @property
+    def finished(self) -> bool:
+        """Nothing left to claim and everything claimed is released: the row can go."""
+        return self.released == self.claimed and (self.claimed == self.permits)
+
+    def _move(self, event: str) -> GrantStatus:
+        try:
+            return GRANT_MOVES[(self.status, event)]
+        except KeyError:
+            raise IllegalTransition("grant", self.grant_id, self.status, event) from None
+
+    def report(self, claimed: int, released: int) -> Grant:
+        """Apply cumulative high-water marks, clamped: released <= claimed <= permits."""
+        status = self._move("report")
+        new_claimed = max(self.claimed, min(claimed, self.permits))
+        new_released = max(self.released, min(released, new_claimed))
+        return replace(self, claimed=new_claimed, released=new_released, status=status)
+
+    def reclaim(self) -> Grant:
+        """Take back unclaimed permits after the claim deadline."""
+        return replace(self, permits=self.claimed, status=self._move("reclaim"))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A block of permits one (client, group) may draw locally, one per task."""
+
+    lease_id: str
+    client_id: str
+    group: str | None
+    permits: int
+    drawn: int
+    released: int
+    issued_at: float
+    last_report_at: float
+    status: LeaseStatus = "active"
+    confirmed: bool = False
+    """True once the client reported the lease stopped: `drawn` is final."""
+    issued_limit: int = 0
+    """The key's limit when issued; a lower limit later retires the lease."""
+    issued_group_limit: int | None = None
+    """The group's limit when issued (None: the group had none); lowering it retires the lease."""
+
+    @property
+    def footprint(self) -> int:
+        """What this lease counts against the budget (invariant 6 of DESIGN.md)."""
+        if self.status == "retired" and self.confirmed:
+            return self.drawn - self.released
+        return self.permits - self.released
+
+    @property
+    def undrawn(self) -> int:
+        return self.permits - self.drawn if self.status == "active" else 0
+
+    @property
+    def settled(self) -> bool:
+        """Retired, confirmed and fully released: nothing left to count."""
+        return self.status == "retired" and self.confirmed and self.drawn == self.released
+
+    def _move(self, event: str) -> LeaseStatus:
+        try:
+            return LEASE_MOVES[(self.status, event)]
+        except KeyError:
+            raise IllegalTransition("lease", self.lease_id, self.status, event) from None
+
+    def report(self, drawn: int, released: int, *, stopped: bool, now: float) -> Lease:
+        """Apply cumulative marks (released <= drawn <= permits); a report is a heartbeat.
+
+        A retired lease stops drawing at once, so its `drawn` can no longer move
+        past what the client confirmed; before confirmation it may still rise to
+        what the client drew before it heard of the retirement.
+        """
+        status = self._move("stop" if stopped else "report")
+        ceiling = self.drawn if self.confirmed else self.permits
+        new_drawn = max(self.drawn, min(drawn, ceiling))
+        new_released = max(self.released, min(released, new_drawn))
+        return replace(
+            self,
+            drawn=new_drawn,
+            released=new_released,
+            status=status,
+            confirmed=self.confirmed or stopped,
+            last_report_at=max(self.last_report_at, now),
+        )
+
+    def retire(self) -> Lease:
+        """Stop drawing; stay counted in full until the client confirms."""
+        return replace(self, status=self._move("retire"))
+
+    def expires_at(self, ttl: float) -> float:
+        return self.last_report_at + ttl
