@@ -1,0 +1,86 @@
+# Binds semaphores and settings to one Celery app. Built once, at import time of
+# the user's Celery module; it registers the holder step, the client gate and
+# the beat task on the app, and every role finds its configuration here.
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from .errors import ConfigurationError
+from .routing import control_queue, holder_queue, shard_for
+from .semaphore import DurabilitySemaphore
+from .settings import DurabilitySettings
+
+_REGISTRY: weakref.WeakKeyDictionary[Any, Durability] = weakref.WeakKeyDictionary()
+
+
+class Durability:
+    """The durability-celery configuration of one Celery app."""
+
+    def __init__(
+        self,
+        app: Any,
+        semaphores: Iterable[DurabilitySemaphore],
+        *,
+        settings: DurabilitySettings | None = None,
+    ) -> None:
+        if app in _REGISTRY:
+            raise ConfigurationError("this Celery app already has a Durability configuration")
+        self.app = app
+        self.settings = settings if settings is not None else DurabilitySettings()
+        if not isinstance(self.settings, DurabilitySettings):
+            raise ConfigurationError("settings must be a DurabilitySettings instance")
+        self.semaphores: dict[str, DurabilitySemaphore] = {}
+        for semaphore in semaphores:
+            if not isinstance(semaphore, DurabilitySemaphore):
+                raise ConfigurationError(f"not a DurabilitySemaphore: {semaphore!r}")
+            if semaphore.name in self.semaphores:
+                raise ConfigurationError(f"semaphore {semaphore.name!r} is configured twice")
+            self.semaphores[semaphore.name] = semaphore
+        _REGISTRY[app] = self
+        self._install()
+
+    def _install(self) -> None:
+        # Imported here: these modules import celery's worker internals, which a
+        # plain producer process never needs to load.
+        from .beat import install as install_beat
+        from .holder import install as install_holder
+        from .worker import install as install_gate
+
+        install_holder(self)
+        install_gate(self)
+        install_beat(self)
+
+    def semaphore(self, name: str) -> DurabilitySemaphore:
+        """The semaphore called `name`, or a ConfigurationError naming the known ones."""
+        try:
+            return self.semaphores[name]
+        except KeyError:
+            known = ", ".join(sorted(self.semaphores)) or "none"
+            raise ConfigurationError(f"unknown semaphore {name!r} (configured: {known})") from None
+
+    def queue_for(self, semaphore: str, key: str) -> str:
+        """The holder queue that serves (semaphore, key)."""
+        shard = shard_for(semaphore, key, self.settings.shards)
+        return holder_queue(self.settings.queue_prefix, shard)
+
+    def holder_queues(self, shards: Iterable[int] | None = None) -> list[str]:
+        """Names of the holder queues for `shards` (all when None)."""
+        chosen = range(self.settings.shards) if shards is None else shards
+        return [holder_queue(self.settings.queue_prefix, s) for s in chosen]
+
+    @property
+    def control_queue(self) -> str:
+        return control_queue(self.settings.queue_prefix)
+
+
+def durability_for(app: Any) -> Durability:
+    """The Durability configuration bound to `app` (ConfigurationError if none)."""
+    try:
+        return _REGISTRY[app]
+    except KeyError:
+        raise ConfigurationError(
+            "this Celery app has no Durability configuration: create "
+            "Durability(app, [semaphores...]) in the module that defines the app"
+        ) from None

@@ -1,0 +1,59 @@
+# The Celery layer's settings: one validated, frozen object built once at
+# start-up. A bad value fails here, naming the setting and its allowed range.
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigurationError
+
+_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,60}$")
+
+
+def _check_range(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"{name} must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ConfigurationError(f"{name} must be between {low} and {high}, got {value}")
+
+
+@dataclass(frozen=True)
+class DurabilitySettings:
+    """How the holder, the client workers and beat talk to each other."""
+
+    shards: int = 16
+    """Holder queues; keys map onto them by a stable hash. Changing it moves keys."""
+    queue_prefix: str = "durability"
+    request_timeout: float = 10.0
+    """A request unanswered this long counts as lost; the client asks again."""
+    claim_margin: float = 1.0
+    """Never claim a grant permit this close to its claim deadline."""
+    max_held: int | None = None
+    """Task messages one worker holds waiting for permits; None: 4 x pool size."""
+    hold_deadline: float | None = None
+    """Hand a held message back to the broker after this long; None: derived from the broker."""
+    reply_expires: float = 300.0
+    """A reply queue unused this long is deleted by the broker."""
+    round_threads: int = 4
+    """Holder threads running rounds, so a slow key does not stall the others."""
+    reclaim_interval: float = 10.0
+    """How often beat reclaims expired unclaimed grants (the safety net under the holder's timer)."""
+    supports_leases: bool = True
+
+    def __post_init__(self) -> None:
+        _check_range("shards", self.shards, 1, 4096)
+        if not isinstance(self.shards, int):
+            raise ConfigurationError("shards must be an int")
+        if not isinstance(self.queue_prefix, str) or not _PREFIX.match(self.queue_prefix):
+            raise ConfigurationError("queue_prefix must match [A-Za-z0-9_.-]{1,60}")
+        _check_range("request_timeout", self.request_timeout, 0.05, 3600)
+        _check_range("claim_margin", self.claim_margin, 0, 3600)
+        if self.max_held is not None:
+            _check_range("max_held", self.max_held, 1, 1_000_000)
+        if self.hold_deadline is not None:
+            _check_range("hold_deadline", self.hold_deadline, 1, 7 * 86400)
+        _check_range("reply_expires", self.reply_expires, 1, 86400)
+        _check_range("round_threads", self.round_threads, 1, 256)
+        _check_range("reclaim_interval", self.reclaim_interval, 0.1, 86400)
+        if not isinstance(self.supports_leases, bool):
+            raise ConfigurationError("supports_leases must be a bool")
