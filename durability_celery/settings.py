@@ -37,7 +37,7 @@ class DurabilitySettings:
     round_threads: int = 4
     """Holder threads running rounds, so a slow key does not stall the others."""
     reclaim_interval: float = 10.0
-    """How often beat reclaims expired unclaimed grants (the safety net under the holder's timer)."""
+    """How often beat reclaims expired unclaimed grants (a safety net under the holder's timer)."""
     supports_leases: bool = True
 
     def __post_init__(self) -> None:

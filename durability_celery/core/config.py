@@ -25,7 +25,9 @@ def _seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
         raise ConfigurationError(f"{name} must be a number of seconds, got {type(value).__name__}")
     seconds = float(value)
     if not math.isfinite(seconds) or seconds < minimum or seconds > 366 * 86400:
-        raise ConfigurationError(f"{name} must be between {minimum} and 31622400 seconds, got {value}")
+        raise ConfigurationError(
+            f"{name} must be between {minimum} and 31622400 seconds, got {value}"
+        )
     return seconds
 
 
@@ -38,7 +40,7 @@ class Strict:
 
 @dataclass(frozen=True)
 class Under:
-    """Keep `reserve` permits inside the limit for leases; grants get `limit - reserve` (at least 1)."""
+    """Keep `reserve` permits of the limit for leases; grants get `limit - reserve` (at least 1)."""
 
     reserve: int = 0
     mode: Literal["under"] = "under"
@@ -57,7 +59,9 @@ class Over:
 
     def __post_init__(self) -> None:
         if (self.extra is None) == (self.ratio is None):
-            raise ConfigurationError("Over needs exactly one of extra= (a count) or ratio= (of the limit)")
+            raise ConfigurationError(
+                "Over needs exactly one of extra= (a count) or ratio= (of the limit)"
+            )
         if self.extra is not None:
             _positive_int("Over.extra", self.extra, minimum=0)
         if self.ratio is not None:
@@ -88,7 +92,9 @@ class Leases:
 
     def __post_init__(self) -> None:
         if not isinstance(self.provisioning, Strict | Under | Over):
-            raise ConfigurationError("Leases.provisioning must be Strict(), Under(...) or Over(...)")
+            raise ConfigurationError(
+                "Leases.provisioning must be Strict(), Under(...) or Over(...)"
+            )
         _positive_int("Leases.permits_per_lease", self.permits_per_lease)
         _seconds("Leases.ttl", self.ttl, minimum=1.0)
         if self.limited_groups not in ("exclude", "within_group_limit"):
@@ -110,7 +116,9 @@ class RoundConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.semaphore, str) or not 0 < len(self.semaphore) <= 200:
-            raise ConfigurationError("semaphore name must be a non-empty string of at most 200 chars")
+            raise ConfigurationError(
+                "semaphore name must be a non-empty string of at most 200 chars"
+            )
         _seconds("grant_timeout", self.grant_timeout, minimum=0.001)
         _seconds("round_wait", self.round_wait)
         _seconds("round_period", self.round_period)

@@ -1,0 +1,226 @@
+# Allocation of one round: grants to the oldest demand first, under the key's
+# limit and each group's ceiling, then leases from what the provisioning mode
+# leaves, shared equally among eligible candidates. Also says why demand that
+# stays queued is blocked. Pure: reads the ledger, returns new grants and leases.
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .config import Leases, Over, RoundConfig, Under
+from .ledger import Ledger
+from .limits import ResolvedLimits
+from .messages import BlockedReason, DemandEntry
+from .state import Grant, Lease
+
+Pair = tuple[str, str | None]
+"""(client_id, group)"""
+
+
+@dataclass(frozen=True)
+class Demand:
+    """One (client, group)'s demand in this round, with its message's arrival position."""
+
+    client_id: str
+    entry: DemandEntry
+    arrival: int
+    supports_leases: bool
+
+    @property
+    def pair(self) -> Pair:
+        return (self.client_id, self.entry.group)
+
+
+@dataclass
+class Allocation:
+    grants: list[Grant] = field(default_factory=list)
+    leases: list[Lease] = field(default_factory=list)
+    unmet: dict[Pair, tuple[int, BlockedReason]] = field(default_factory=dict)
+
+    @property
+    def contended(self) -> bool:
+        return bool(self.unmet)
+
+
+@dataclass
+class _Room:
+    """What is still free in this round: for grants, for leases, per group."""
+
+    limit: int
+    grants_out: int
+    lease_footprint: int
+    group_used: dict[str | None, int]
+
+    def for_grants(self, leases: Leases | None) -> int:
+        free = self.limit - self.grants_out - self.lease_footprint
+        if leases is None:
+            return max(0, free)
+        provisioning = leases.provisioning
+        if isinstance(provisioning, Over):
+            return max(0, self.limit - self.grants_out)
+        if isinstance(provisioning, Under):
+            # The reserve never takes the last permit, so groups and clients
+            # without leases still make progress.
+            cap = max(1, self.limit - provisioning.reserve) if self.limit > 0 else 0
+            return max(0, min(free, cap - self.grants_out))
+        return max(0, free)
+
+    def for_leases(self, leases: Leases) -> int:
+        if isinstance(leases.provisioning, Over):
+            extra = leases.provisioning.extra_for(self.limit)
+            return max(0, extra - self.lease_footprint)
+        return max(0, self.limit - self.grants_out - self.lease_footprint)
+
+    def for_group(self, ceiling: int | None, group: str | None) -> int | None:
+        if ceiling is None:
+            return None
+        return max(0, ceiling - self.group_used[group])
+
+
+def _room(ledger: Ledger, limit: int) -> _Room:
+    group_used: dict[str | None, int] = defaultdict(int)
+    for grant in ledger.grants.values():
+        group_used[grant.group] += grant.footprint
+    for lease in ledger.leases.values():
+        group_used[lease.group] += lease.footprint
+    return _Room(
+        limit=limit,
+        grants_out=sum(g.footprint for g in ledger.grants.values()),
+        lease_footprint=sum(le.footprint for le in ledger.leases.values())
+        + ledger.unknown_footprint,
+        group_used=group_used,
+    )
+
+
+def _refusal(limits: ResolvedLimits, demand: Demand) -> BlockedReason | None:
+    """A reason that blocks this demand whatever the capacity."""
+    if limits.limit is None or limits.group_failed(demand.entry.group):
+        return "limit_resolution_error"
+    permitted = limits.permitted(demand.client_id, demand.entry.group)
+    if permitted is None:
+        return "limit_resolution_error"
+    return None if permitted else "not_permitted"
+
+
+def allocate(
+    ledger: Ledger,
+    demand: list[Demand],
+    *,
+    limits: ResolvedLimits,
+    config: RoundConfig,
+    now: float,
+    new_id: Callable[[], str],
+) -> Allocation:
+    """Grants oldest demand first, then leases; records unmet demand and its reason."""
+    result = Allocation()
+    ordered = sorted(demand, key=lambda d: (d.entry.oldest_at, d.arrival))
+    if limits.limit is None:
+        for d in ordered:
+            if d.entry.count:
+                result.unmet[d.pair] = (d.entry.count, "limit_resolution_error")
+        return result
+    room = _room(ledger, limits.limit)
+    left = _grant(ordered, room, result, limits=limits, config=config, now=now, new_id=new_id)
+    if config.leases is not None:
+        leased = _lease(ordered, ledger, room, result, limits, config.leases, now, new_id)
+        for pair, count in leased.items():
+            left[pair] = max(0, left[pair] - count)
+    for pair, count in left.items():
+        if count > 0:
+            result.unmet[pair] = (count, result.unmet[pair][1])
+        else:
+            result.unmet.pop(pair, None)
+    return result
+
+
+def _grant(
+    ordered: list[Demand],
+    room: _Room,
+    result: Allocation,
+    *,
+    limits: ResolvedLimits,
+    config: RoundConfig,
+    now: float,
+    new_id: Callable[[], str],
+) -> dict[Pair, int]:
+    left: dict[Pair, int] = {}
+    for d in ordered:
+        count, group = d.entry.count, d.entry.group
+        refusal = _refusal(limits, d)
+        if count == 0 or refusal is not None:
+            left[d.pair] = count
+            if count:
+                result.unmet[d.pair] = (count, refusal or "limit")
+            continue
+        pool = room.for_grants(config.leases)
+        group_room = room.for_group(limits.group_limit(group), group)
+        give = min(count, pool) if group_room is None else min(count, pool, group_room)
+        if give > 0:
+            result.grants.append(
+                Grant(new_id(), d.client_id, group, give, 0, 0, now, now + config.grant_timeout)
+            )
+            room.grants_out += give
+            room.group_used[group] += give
+        left[d.pair] = count - give
+        if count > give:
+            bound_by_group = group_room is not None and group_room < min(count, pool)
+            result.unmet[d.pair] = (count - give, "group_limit" if bound_by_group else "limit")
+    return left
+
+
+def _lease_candidates(
+    ordered: list[Demand], ledger: Ledger, limits: ResolvedLimits, leases: Leases
+) -> list[Demand]:
+    holding = {
+        (le.client_id, le.group)
+        for le in ledger.leases.values()
+        if le.status == "active" and le.undrawn > 0
+    }
+    chosen = []
+    for d in ordered:
+        group = d.entry.group
+        if not d.supports_leases or d.entry.count == 0 or d.pair in holding:
+            continue
+        if _refusal(limits, d) is not None:
+            continue
+        if limits.group_limit(group) is not None and leases.limited_groups == "exclude":
+            continue
+        chosen.append(d)
+    return chosen
+
+
+def _lease(
+    ordered: list[Demand],
+    ledger: Ledger,
+    room: _Room,
+    result: Allocation,
+    limits: ResolvedLimits,
+    leases: Leases,
+    now: float,
+    new_id: Callable[[], str],
+) -> dict[Pair, int]:
+    candidates = _lease_candidates(ordered, ledger, limits, leases)
+    budget = room.for_leases(leases)
+    leased: dict[Pair, int] = {}
+    if not candidates or budget <= 0:
+        return leased
+    share = min(leases.permits_per_lease, budget // len(candidates))
+    for d in candidates:
+        group = d.entry.group
+        ceiling = limits.group_limit(group)
+        size = share if share > 0 else min(1, budget)
+        group_room = room.for_group(ceiling, group)
+        size = min(size, budget) if group_room is None else min(size, budget, group_room)
+        if size <= 0:
+            continue
+        assert limits.limit is not None
+        result.leases.append(
+            Lease(new_id(), d.client_id, group, size, 0, 0, now, now,
+                  issued_limit=limits.limit, issued_group_limit=ceiling)
+        )
+        budget -= size
+        room.lease_footprint += size
+        room.group_used[group] += size
+        leased[d.pair] = size
+    return leased

@@ -1,0 +1,87 @@
+# The answer one client gets from a round: every live grant and lease it holds
+# for the key (so a lost earlier answer is recovered by the next one), the
+# fate of ids it reported that are gone, and why its demand stays queued.
+from __future__ import annotations
+
+from typing import Any
+
+from .allocate import Allocation
+from .config import RoundConfig
+from .keystate import KeyState
+from .ledger import Ledger
+from .messages import VERSION, Request
+from .state import Grant, Lease
+
+
+def grant_view(grant: Grant) -> dict[str, Any]:
+    return {
+        "grant_id": grant.grant_id, "group": grant.group, "permits": grant.permits,
+        "claimed": grant.claimed, "released": grant.released,
+        "claim_deadline": grant.claim_deadline, "status": grant.status,
+    }
+
+
+def lease_view(lease: Lease, ttl: float, *, settled: bool = False) -> dict[str, Any]:
+    return {
+        "lease_id": lease.lease_id, "group": lease.group, "permits": lease.permits,
+        "drawn": lease.drawn, "released": lease.released,
+        "expires_at": lease.expires_at(ttl),
+        "status": "settled" if settled else lease.status,
+    }
+
+
+def _grants(request: Request, state: KeyState) -> list[dict[str, Any]]:
+    mine = [grant_view(g) for g in state.grants if g.client_id == request.client_id]
+    live = {g["grant_id"] for g in mine}
+    gone = [
+        {"grant_id": r.grant_id, "group": None, "permits": 0, "claimed": r.claimed,
+         "released": r.released, "claim_deadline": None, "status": "not_found"}
+        for r in request.grants if r.grant_id not in live
+    ]
+    return mine + gone
+
+
+def _leases(request: Request, state: KeyState, ledger: Ledger, ttl: float) -> list[dict[str, Any]]:
+    mine = [lease_view(le, ttl) for le in state.leases if le.client_id == request.client_id]
+    mine += [
+        lease_view(le, ttl, settled=True)
+        for le in ledger.settled.values() if le.client_id == request.client_id
+    ]
+    known = {le["lease_id"] for le in mine}
+    for report in request.leases:
+        if report.lease_id in known:
+            continue
+        # Never known here: answered retired (and charged this round) while it
+        # still has draws in use, settled once everything drawn is released.
+        in_use = report.drawn > report.released
+        mine.append({
+            "lease_id": report.lease_id, "group": None, "permits": report.drawn,
+            "drawn": report.drawn, "released": report.released, "expires_at": None,
+            "status": "retired" if in_use else "settled",
+        })
+    return mine
+
+
+def respond(
+    request: Request,
+    state: KeyState,
+    ledger: Ledger,
+    allocation: Allocation,
+    *,
+    config: RoundConfig,
+    now: float,
+) -> dict[str, Any]:
+    ttl = config.leases.ttl if config.leases is not None else 0.0
+    blocked = [
+        {"group": group, "reason": reason, "queued": count}
+        for (client, group), (count, reason) in allocation.unmet.items()
+        if client == request.client_id
+    ]
+    return {
+        "v": VERSION, "semaphore": state.semaphore, "key": state.key,
+        "round_at": now, "next_request_at": now + config.round_period,
+        "contended": allocation.contended,
+        "grants": _grants(request, state),
+        "leases": _leases(request, state, ledger, ttl),
+        "blocked": blocked,
+    }

@@ -1,0 +1,151 @@
+# One allocation round for one key, in the order DESIGN.md fixes: validate
+# messages; apply reports; reclaim expired unclaimed grant permits; retire
+# leases unreported for ttl; resolve limits (retiring leases they no longer
+# allow); allocate grants oldest demand first, then leases; answer every
+# message. Pure: the caller persists `state` before anyone sees `responses`.
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import InvalidMessage
+from .allocate import Allocation, Demand, allocate
+from .config import RoundConfig
+from .keystate import Blocked, KeyState, LimitSource, worst_reason
+from .ledger import Ledger
+from .limits import ResolvedLimits
+from .messages import Request, error_response, parse_request
+from .responses import respond
+from .state import Lease
+
+__all__ = ["Blocked", "KeyState", "LimitSource", "RoundResult", "reclaim", "run_round"]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    state: KeyState
+    responses: tuple[dict[str, Any], ...]
+    """One per input message, in order; an error answer for each invalid one."""
+
+
+def _validate(
+    messages: Sequence[object], state: KeyState, ledger: Ledger
+) -> list[Request | InvalidMessage]:
+    checked: list[Request | InvalidMessage] = []
+    for raw in messages:
+        try:
+            request = parse_request(raw, semaphore=state.semaphore, key=state.key)
+            ledger.check_ownership(request)
+        except InvalidMessage as exc:
+            checked.append(exc)
+        else:
+            checked.append(request)
+    return checked
+
+
+def _demand(checked: list[Request | InvalidMessage]) -> list[Demand]:
+    """Each (client, group)'s latest demand: a client that asked twice is not counted twice."""
+    latest: dict[tuple[str, str | None], Demand] = {}
+    for arrival, request in enumerate(checked):
+        if isinstance(request, InvalidMessage):
+            continue
+        for entry in request.demand:
+            latest[(request.client_id, entry.group)] = Demand(
+                request.client_id, entry, arrival, request.supports_leases
+            )
+    return list(latest.values())
+
+
+def _still_allowed(lease: Lease, limits: ResolvedLimits, config: RoundConfig) -> bool:
+    if config.leases is None or limits.group_failed(lease.group):
+        return False
+    if limits.limit is not None and limits.limit < lease.issued_limit:
+        return False
+    if limits.permitted(lease.client_id, lease.group) is not True:
+        return False
+    ceiling = limits.group_limit(lease.group)
+    if ceiling is None:
+        return True
+    return (
+        config.leases.limited_groups == "within_group_limit"
+        and lease.issued_group_limit is not None
+        and ceiling >= lease.issued_group_limit
+    )
+
+
+def _retire_disallowed(ledger: Ledger, limits: ResolvedLimits, config: RoundConfig) -> None:
+    """Lowering a limit or a group's eligibility retires leases; running work is never revoked."""
+    for lease in list(ledger.leases.values()):
+        if lease.status == "active" and not _still_allowed(lease, limits, config):
+            ledger.retire(lease.lease_id)
+
+
+def _prepare(ledger: Ledger, config: RoundConfig, now: float) -> None:
+    ledger.reclaim(now)
+    if config.leases is not None:
+        ledger.retire_stale(config.leases.ttl, now)
+    ledger.settle()
+
+
+def reclaim(state: KeyState, *, config: RoundConfig, now: float) -> KeyState:
+    """The alarm: reclaim expired unclaimed grants and retire stale leases, with no messages."""
+    ledger = Ledger.of(state.grants, state.leases)
+    _prepare(ledger, config, now)
+    return _with(state, ledger)
+
+
+def _with(state: KeyState, ledger: Ledger, **changes: Any) -> KeyState:
+    return replace(
+        state, grants=tuple(ledger.grants.values()), leases=tuple(ledger.leases.values()),
+        **changes,
+    )
+
+
+def _blocked(allocation: Allocation) -> tuple[Blocked, ...]:
+    by_group: dict[str | None, list[tuple[int, Any]]] = {}
+    for (_, group), unmet in allocation.unmet.items():
+        by_group.setdefault(group, []).append(unmet)
+    return tuple(
+        Blocked(group, worst_reason([r for _, r in entries]), sum(c for c, _ in entries))
+        for group, entries in by_group.items()
+    )
+
+
+def run_round(
+    state: KeyState,
+    messages: Sequence[object],
+    *,
+    config: RoundConfig,
+    limits: LimitSource,
+    now: float,
+    new_id: Callable[[], str],
+) -> RoundResult:
+    """Run one round over a batch of messages for `state.key`."""
+    ledger = Ledger.of(state.grants, state.leases)
+    checked = _validate(messages, state, ledger)
+    for request in checked:
+        if isinstance(request, Request):
+            ledger.apply(request, now)
+    _prepare(ledger, config, now)
+    resolved = ResolvedLimits(limits, state.key)
+    _retire_disallowed(ledger, resolved, config)
+    ledger.settle()
+    allocation = allocate(
+        ledger, _demand(checked), limits=resolved, config=config, now=now, new_id=new_id
+    )
+    for grant in allocation.grants:
+        ledger.grants[grant.grant_id] = grant
+    for lease in allocation.leases:
+        ledger.leases[lease.lease_id] = lease
+    new_state = _with(
+        state, ledger, last_round_at=now, rounds=state.rounds + 1,
+        limit=resolved.limit if resolved.limit is not None else state.limit,
+        blocked=_blocked(allocation),
+    )
+    responses = tuple(
+        error_response(request) if isinstance(request, InvalidMessage)
+        else respond(request, new_state, ledger, allocation, config=config, now=now)
+        for request in checked
+    )
+    return RoundResult(new_state, responses)
