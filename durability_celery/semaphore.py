@@ -1,0 +1,248 @@
+# `DurabilitySemaphore`: one semaphore's validated settings, its live limit
+# callbacks and its SQL store, around the pure core. Rule: every public call is
+# one database transaction (rounds lock the key row) that commits before it
+# returns; settings are checked once, at construction, naming the setting.
+from __future__ import annotations
+
+import inspect
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, overload
+
+from sqlalchemy import Engine
+
+from . import store
+from .core.config import Leases, RoundConfig, validate_limit_value
+from .core.round import KeyState, reclaim, run_round
+from .core.usage import Usage, usage
+from .errors import CallerError, ConfigurationError
+
+LimitCallback = Callable[[str], int]
+GroupLimitCallback = Callable[[str, str], "int | None"]
+CanGrantCallback = Callable[[str, str, "str | None"], bool]
+
+MAX_KEY_LENGTH = 200
+
+
+def _check_callable(setting: str, value: object, params: Sequence[str]) -> None:
+    """A callback must be callable with `params` positionally (checked where Python can)."""
+    if not callable(value):
+        raise ConfigurationError(f"{setting} must be callable, got {type(value).__name__}")
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: trust them
+    try:
+        signature.bind(*params)
+    except TypeError:
+        raise ConfigurationError(
+            f"{setting} must accept {len(params)} positional argument(s) "
+            f"({', '.join(params)}); its signature is {signature}"
+        ) from None
+
+
+class _CallbackLimits:
+    """The core's LimitSource over the user's settings; the core validates the answers."""
+
+    def __init__(self, limit: int | LimitCallback, group_limit: GroupLimitCallback | None,
+                 can_grant: CanGrantCallback | None) -> None:
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            validate_limit_value("limit", limit)
+        elif callable(limit):
+            _check_callable("limit", limit, ("key",))
+        else:
+            raise ConfigurationError(
+                f"limit must be an int or a callable(key) -> int, got {type(limit).__name__}"
+            )
+        if group_limit is not None:
+            _check_callable("group_limit", group_limit, ("key", "group"))
+        if can_grant is not None:
+            _check_callable("can_grant", can_grant, ("key", "client_id", "group"))
+        self._limit = limit
+        self._group_limit = group_limit
+        self._can_grant = can_grant
+
+    def limit(self, key: str) -> int:
+        return self._limit if isinstance(self._limit, int) else self._limit(key)
+
+    def group_limit(self, key: str, group: str) -> int | None:
+        return None if self._group_limit is None else self._group_limit(key, group)
+
+    def can_grant(self, key: str, client_id: str, group: str | None) -> bool:
+        return True if self._can_grant is None else self._can_grant(key, client_id, group)
+
+
+class _MigrateEngine(Protocol):
+    def __call__(self, engine: Engine | str, target: int | None = ...) -> None: ...
+
+
+class _MigrateSelf(Protocol):
+    def __call__(self, target: int | None = ...) -> None: ...
+
+
+def _migrate_database(engine: Engine | str,
+                      target: int | None = store.SCHEMA_VERSION) -> None:
+    if isinstance(engine, Engine):
+        store.migrate(store.prepare_engine(engine), target)
+        return
+    made = store.create_engine(engine)
+    try:
+        store.migrate(made, target)
+    finally:
+        made.dispose()
+
+
+class _Migrate:
+    """`sem.migrate(target=latest)` on an instance, `DurabilitySemaphore.migrate(engine, target)`
+    on the class: create or upgrade the schema, or remove it with `target=None`."""
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> _MigrateEngine: ...
+
+    @overload
+    def __get__(self, instance: DurabilitySemaphore, owner: type[Any]) -> _MigrateSelf: ...
+
+    def __get__(self, instance: DurabilitySemaphore | None,
+                owner: type[Any]) -> _MigrateEngine | _MigrateSelf:
+        if instance is None:
+            return _migrate_database
+        engine = instance.engine
+
+        def migrate(target: int | None = store.SCHEMA_VERSION) -> None:
+            store.migrate(engine, target)
+
+        return migrate
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class DurabilitySemaphore:
+    """A named budget with one holder state per key, kept in SQL (see DESIGN.md, Public API)."""
+
+    migrate = _Migrate()
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        database: str | Engine,
+        limit: int | LimitCallback,
+        group_limit: GroupLimitCallback | None = None,
+        can_grant: CanGrantCallback | None = None,
+        round_wait: float = 1.0,
+        round_period: float = 2.0,
+        grant_timeout: float = 10.0,
+        leases: Leases | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = RoundConfig(
+            semaphore=name, grant_timeout=grant_timeout, round_wait=round_wait,
+            round_period=round_period, leases=leases,
+        )
+        self._limits = _CallbackLimits(limit, group_limit, can_grant)
+        _check_callable("clock", clock, ())
+        self._clock = clock
+        if isinstance(database, Engine):
+            self._engine, self._owns_engine = store.prepare_engine(database), False
+        elif isinstance(database, str):
+            self._engine, self._owns_engine = store.create_engine(database), True
+        else:
+            raise ConfigurationError(
+                f"database must be a URL or a SQLAlchemy Engine, got {type(database).__name__}"
+            )
+
+    def __repr__(self) -> str:
+        return f"DurabilitySemaphore({self.name!r}, database={self._engine.url!r})"
+
+    @property
+    def name(self) -> str:
+        return self._config.semaphore
+
+    @property
+    def config(self) -> RoundConfig:
+        """The validated round settings."""
+        return self._config
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def close(self) -> None:
+        """Release database connections (the engine is disposed only if this object made it)."""
+        if self._owns_engine:
+            self._engine.dispose()
+
+    def _now(self, now: float | None) -> float:
+        value = self._clock() if now is None else now
+        valid = isinstance(value, int | float) and not isinstance(value, bool)
+        if not valid or not math.isfinite(value):
+            raise CallerError(f"now must be a finite number of epoch seconds, got {value!r}")
+        return float(value)
+
+    @staticmethod
+    def _check_key(key: object) -> str:
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
+            raise CallerError(f"key must be a non-empty string of at most {MAX_KEY_LENGTH} chars")
+        return key
+
+    def run_round(self, key: str, messages: Sequence[object], *,
+                  now: float | None = None) -> list[dict[str, Any]]:
+        """One round for `key`: one response per message, in order, after the commit.
+
+        An invalid message gets an error answer and changes nothing; a database
+        failure raises InfrastructureError and changes nothing.
+        """
+        key = self._check_key(key)
+        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+            raise CallerError("messages must be a list of wire messages")
+        at = self._now(now)
+        with store.transaction(self._engine, write=True) as conn:
+            old = store.load(conn, self.name, key)
+            result = run_round(old, messages, config=self._config, limits=self._limits,
+                               now=at, new_id=_new_id)
+            store.save(conn, old, result.state, now=at)
+        return list(result.responses)
+
+    def reclaim(self, key: str, *, now: float | None = None) -> float | None:
+        """Reclaim expired unclaimed grants of `key`; returns its next claim deadline or None."""
+        key = self._check_key(key)
+        at = self._now(now)
+        with store.transaction(self._engine, write=True) as conn:
+            old = store.read(conn, self.name, key, lock=True)
+            if old is None:
+                return None  # never had a round: nothing to reclaim
+            new = reclaim(old, config=self._config, now=at)
+            store.save(conn, old, new, now=at)
+        return new.next_claim_deadline
+
+    def state(self, key: str) -> KeyState:
+        """A consistent snapshot of `key`'s holder state (empty if it never had a round)."""
+        key = self._check_key(key)
+        with store.transaction(self._engine, write=False) as conn:
+            found = store.read(conn, self.name, key)
+        return found if found is not None else KeyState(semaphore=self.name, key=key)
+
+    def usage(self, key: str, *, now: float | None = None) -> Usage:
+        """Limit, outstanding permits, lease footprint, per-group usage and blocked demand."""
+        at = self._now(now)
+        return usage(self.state(key), config=self._config, limits=self._limits, now=at)
+
+    def due_deadlines(self, *, now: float | None = None) -> list[tuple[str, float]]:
+        """(key, claim deadline) of keys whose earliest claim deadline is at or before `now`."""
+        at = self._now(now)
+        with store.transaction(self._engine, write=False) as conn:
+            return store.deadlines(conn, self.name, due_by=at)
+
+    def deadlines(self) -> list[tuple[str, float]]:
+        """(key, next claim deadline) of every key with unclaimed grant permits, earliest first."""
+        with store.transaction(self._engine, write=False) as conn:
+            return store.deadlines(conn, self.name)
+
+    def keys(self) -> list[str]:
+        """Every key of this semaphore that has had a round."""
+        with store.transaction(self._engine, write=False) as conn:
+            return [key for _, key in store.all_keys(conn, self.name)]

@@ -1,0 +1,25 @@
+# The SQL store: tables, migrations and one locked transaction per round.
+# Rule: it holds no allocation policy; the pure core decides, the store persists.
+from .schema import SCHEMA_VERSION, grants, keys, leases, metadata, migrate
+from .sql import all_keys, create_engine, deadlines, load, prepare_engine, read, save, transaction
+
+__all__ = [
+    # schema
+    "SCHEMA_VERSION",
+    "grants",
+    "keys",
+    "leases",
+    "metadata",
+    "migrate",
+    # engines and transactions
+    "create_engine",
+    "prepare_engine",
+    "transaction",
+    # state
+    "load",
+    "read",
+    "save",
+    # queries
+    "all_keys",
+    "deadlines",
+]

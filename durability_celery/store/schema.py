@@ -1,0 +1,147 @@
+# The SQL tables of durability-celery, declared once with SQLAlchemy Core, and
+# `migrate`, which creates, upgrades or removes them. Rule: the schema is the
+# only place column names live; `metadata` is public so Alembic users can
+# include it in their own migrations.
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Double,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    insert,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.engine import Connection
+
+from ..errors import ConfigurationError
+
+SCHEMA_VERSION = 1
+"""The version `migrate(engine)` brings a database to."""
+
+NAME_LENGTH = 200
+"""Longest semaphore name, key, client id, group or grant/lease id (as on the wire)."""
+
+metadata = MetaData()
+
+# Ids are unique only within (semaphore, key): a client may report a lease id
+# the holder never issued, and that row must not collide with another key's.
+grants = Table(
+    "durability_semaphore_grants",
+    metadata,
+    Column("semaphore", String(NAME_LENGTH), primary_key=True),
+    Column("key", String(NAME_LENGTH), primary_key=True),
+    Column("grant_id", String(NAME_LENGTH), primary_key=True),
+    Column("client_id", String(NAME_LENGTH), nullable=False),
+    Column("group", String(NAME_LENGTH), nullable=True),
+    Column("permits", Integer, nullable=False),
+    Column("claimed", Integer, nullable=False),
+    Column("released", Integer, nullable=False),
+    Column("created_at", Double, nullable=False),
+    Column("claim_deadline", Double, nullable=False),
+    Column("status", String(16), nullable=False),
+    Index("ix_durability_semaphore_grants_client", "client_id"),
+)
+
+leases = Table(
+    "durability_semaphore_leases",
+    metadata,
+    Column("semaphore", String(NAME_LENGTH), primary_key=True),
+    Column("key", String(NAME_LENGTH), primary_key=True),
+    Column("lease_id", String(NAME_LENGTH), primary_key=True),
+    Column("client_id", String(NAME_LENGTH), nullable=False),
+    Column("group", String(NAME_LENGTH), nullable=True),
+    Column("permits", Integer, nullable=False),
+    Column("drawn", Integer, nullable=False),
+    Column("released", Integer, nullable=False),
+    Column("issued_at", Double, nullable=False),
+    Column("last_report_at", Double, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("confirmed", Boolean, nullable=False),
+    Column("issued_limit", Integer, nullable=False),
+    Column("issued_group_limit", Integer, nullable=True),
+    Index("ix_durability_semaphore_leases_client", "client_id"),
+)
+
+# One row per (semaphore, key): the row a round locks, plus what the holder's
+# timer and beat need without reading every grant.
+keys = Table(
+    "durability_semaphore_keys",
+    metadata,
+    Column("semaphore", String(NAME_LENGTH), primary_key=True),
+    Column("key", String(NAME_LENGTH), primary_key=True),
+    Column("last_round_at", Double, nullable=True),
+    Column("rounds", BigInteger, nullable=False, default=0),
+    Column("limit", Integer, nullable=True),
+    Column("next_claim_deadline", Double, nullable=True),
+    Column("blocked", Text, nullable=False, default="[]"),
+    Column("updated_at", Double, nullable=True),
+    Index("ix_durability_semaphore_keys_deadline", "semaphore", "next_claim_deadline"),
+)
+
+schema_version = Table(
+    "durability_semaphore_schema",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("version", Integer, nullable=False),
+)
+
+# Upgrade steps: UPGRADES[n] takes a database from version n to n + 1.
+UPGRADES: dict[int, str] = {}
+
+
+def _lock_for_ddl(conn: Connection) -> None:
+    # Two holders starting at once must not both create the tables; PostgreSQL
+    # DDL is transactional, so an advisory lock held to commit serializes them.
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('durability_semaphore_schema'))"))
+
+
+def _current_version(conn: Connection) -> int | None:
+    if not conn.dialect.has_table(conn, schema_version.name):
+        return None
+    return conn.execute(select(schema_version.c.version).where(schema_version.c.id == 1)).scalar()
+
+
+def _upgrade(conn: Connection, found: int | None) -> None:
+    if found is not None and found > SCHEMA_VERSION:
+        raise ConfigurationError(
+            f"database schema version {found} is newer than this library's {SCHEMA_VERSION}; "
+            "upgrade durability-celery"
+        )
+    metadata.create_all(conn, checkfirst=True)
+    version = SCHEMA_VERSION if found is None else found
+    while version < SCHEMA_VERSION:
+        conn.execute(text(UPGRADES[version]))
+        version += 1
+    if found is None:
+        conn.execute(insert(schema_version).values(id=1, version=SCHEMA_VERSION))
+    elif found != SCHEMA_VERSION:
+        conn.execute(update(schema_version).where(schema_version.c.id == 1).values(version=version))
+
+
+def migrate(engine: Engine, target: int | None = SCHEMA_VERSION) -> None:
+    """Create or upgrade the schema (idempotent); `target=None` removes it entirely."""
+    if target is not None and target != SCHEMA_VERSION:
+        raise ConfigurationError(
+            f"migrate target must be {SCHEMA_VERSION} (create or upgrade) or None (remove), "
+            f"got {target!r}"
+        )
+    with engine.connect() as conn:
+        # `durability_write` asks for BEGIN IMMEDIATE on SQLite (see store.sql).
+        conn = conn.execution_options(durability_write=True)
+        with conn.begin():
+            _lock_for_ddl(conn)
+            if target is None:
+                metadata.drop_all(conn, checkfirst=True)
+            else:
+                _upgrade(conn, _current_version(conn))
