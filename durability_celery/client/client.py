@@ -1,0 +1,308 @@
+# SemaphoreClient: one client's bookkeeping of one semaphore across its keys —
+# the client queue, permits drawn from leases and claimed from grants, and the
+# messages that report them. Sans-IO: it never sends anything and never reads
+# the clock except through the injected `clock`; the caller asks what is due,
+# sends `message(key)` however it likes and feeds replies back. Rule it keeps:
+# an item gets at most one permit per enqueue, a permit is used once, and
+# nothing it hears from the holder (lost, repeated or reordered) makes it hand
+# out a permit it does not hold.
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..core.messages import DemandEntry, Request
+from ..errors import CallerError, InvalidMessage
+from .ledger import GrantCopy, KeyLedger, LeaseCopy
+from .replies import ErrorReply, parse_reply
+
+GroupKey = tuple[str, str | None]
+
+
+@dataclass(frozen=True)
+class Permit:
+    """The permit an admitted item runs under."""
+
+    item_id: str  # e.g. the Celery task id
+    key: str
+    group: str | None
+    source: Literal["grant", "lease"]
+    source_id: str  # grant_id or lease_id
+
+
+@dataclass(frozen=True)
+class _Queued:
+    item_id: str
+    key: str
+    group: str | None
+    enqueued_at: float
+    seq: int
+
+    @property
+    def order(self) -> tuple[float, int, str]:
+        return (self.enqueued_at, self.seq, self.item_id)
+
+
+class SemaphoreClient:
+    """One client (one worker incarnation) of one semaphore, across all its keys."""
+
+    def __init__(self, semaphore: str, *, client_id: str, supports_leases: bool = True,
+                 claim_margin: float = 1.0, request_timeout: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not isinstance(semaphore, str) or not semaphore:
+            raise CallerError("semaphore must be a non-empty string")
+        if not isinstance(client_id, str) or not client_id:
+            raise CallerError("client_id must be a non-empty string")
+        if claim_margin < 0 or request_timeout <= 0:
+            raise CallerError("claim_margin must be >= 0 and request_timeout > 0")
+        self.semaphore = semaphore
+        self.client_id = client_id
+        self.supports_leases = supports_leases
+        self.claim_margin = float(claim_margin)
+        self.request_timeout = float(request_timeout)
+        self._clock = clock
+        self._stopped = False
+        self._seq = itertools.count()
+        self._ledgers: dict[str, KeyLedger] = {}
+        self._queued: dict[str, _Queued] = {}
+        self._queues: dict[GroupKey, list[tuple[float, int, str]]] = {}
+        self._admitted: dict[str, Permit] = {}
+
+    # -- the client queue ----------------------------------------------------
+
+    def enqueue(self, key: str, group: str | None, item_id: str, *, enqueued_at: float) -> bool:
+        """Queue an item for a permit; False (no change) if it is already queued or admitted."""
+        if item_id in self._queued or item_id in self._admitted:
+            return False
+        item = _Queued(item_id, key, group, float(enqueued_at), next(self._seq))
+        self._queued[item_id] = item
+        bisect.insort(self._queues.setdefault((key, group), []), item.order)
+        self._ledger(key)
+        return True
+
+    def cancel(self, item_id: str) -> bool:
+        """A queued item leaves without a permit (revoked, handed back to the broker)."""
+        item = self._queued.pop(item_id, None)
+        if item is None:
+            return False
+        queue = self._queues[(item.key, item.group)]
+        del queue[bisect.bisect_left(queue, item.order)]
+        if not queue:
+            del self._queues[(item.key, item.group)]
+        return True
+
+    def admit(self, *, limit: int | None = None) -> list[Permit]:
+        """Give permits to queued items, oldest first; a lease permit before a grant permit."""
+        if self._stopped or (limit is not None and limit <= 0):
+            return []
+        now = self._clock()
+        permits: list[Permit] = []
+        for order in self._admissible(now):
+            item = self._queued[order[2]]
+            permit = self._take(item, now)
+            if permit is None:
+                continue  # its group ran dry; a younger item of another group may still go
+            self.cancel(item.item_id)
+            self._admitted[item.item_id] = permit
+            permits.append(permit)
+            if limit is not None and len(permits) >= limit:
+                break
+        return permits
+
+    def _admissible(self, now: float) -> Iterator[tuple[float, int, str]]:
+        """Queued items of groups that hold a permit, oldest first across those groups."""
+        heads: list[list[tuple[float, int, str]]] = []
+        for (key, group), queue in self._queues.items():
+            ledger = self._ledgers[key]
+            available = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
+                            if g.group == group)
+            available += sum(le.drawable(now) for le in ledger.leases.values()
+                             if le.group == group)
+            if available:
+                heads.append(list(queue[:available]))
+        return heapq.merge(*heads)
+
+    def _take(self, item: _Queued, now: float) -> Permit | None:
+        ledger = self._ledgers[item.key]
+        leases = [le for le in ledger.leases.values()
+                  if le.group == item.group and le.drawable(now)]
+        if leases:
+            lease = min(leases, key=lambda le: le.expires_at)
+            lease.drawn += 1  # one-shot: releasing never makes it drawable again
+            return Permit(item.item_id, item.key, item.group, "lease", lease.lease_id)
+        grants = [g for g in ledger.grants.values()
+                  if g.group == item.group and g.claimable(now, self.claim_margin)]
+        if grants:
+            grant = min(grants, key=lambda g: g.claim_deadline)
+            grant.claimed += 1
+            return Permit(item.item_id, item.key, item.group, "grant", grant.grant_id)
+        return None
+
+    def release(self, item_id: str) -> bool:
+        """The admitted item ended; False if unknown or already released."""
+        permit = self._admitted.pop(item_id, None)
+        if permit is None:
+            return False
+        ledger = self._ledgers.get(permit.key)
+        copy: GrantCopy | LeaseCopy | None = None
+        if ledger is not None:
+            copy = (ledger.grants if permit.source == "grant" else ledger.leases).get(
+                permit.source_id)
+        if copy is not None:  # a grant the holder no longer knows has nothing to report
+            copy.released += 1
+        return True
+
+    # -- talking to the holder -----------------------------------------------
+
+    def due(self) -> list[str]:
+        """Keys that should send a message now (an overdue message counts as failed)."""
+        now = self._clock()
+        for ledger in self._ledgers.values():
+            if ledger.in_flight and now >= ledger.in_flight.sent_at + self.request_timeout:
+                ledger.fail(now, "request_timeout")
+        self._sweep(now)
+        return [key for key, at in self._due_times(now) if at is not None and at <= now]
+
+    def next_due_at(self) -> float | None:
+        """Earliest time due() may become non-empty (for timers); None: nothing pending."""
+        now = self._clock()
+        times = [at for _, at in self._due_times(now) if at is not None]
+        return min(times) if times else None
+
+    def _due_times(self, now: float) -> Iterator[tuple[str, float | None]]:
+        for key, ledger in self._ledgers.items():
+            demand = bool(self._demand(key, now))
+            queued = {group for (k, group) in self._queues if k == key}
+            yield key, ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
+                                     demand=demand, queued_groups=queued)
+
+    def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
+        """Per group: queued items minus the claimable and drawable permits already held."""
+        if self._stopped:
+            return ()
+        ledger = self._ledgers[key]
+        entries = []
+        for (k, group), queue in self._queues.items():
+            if k != key:
+                continue
+            held = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
+                       if g.group == group)
+            held += sum(le.drawable(now) for le in ledger.leases.values() if le.group == group)
+            if len(queue) > held:
+                # The oldest item the held permits will not cover is the demand's age.
+                entries.append(DemandEntry(group, len(queue) - held, queue[held][0]))
+        return tuple(entries)
+
+    def message(self, key: str) -> dict[str, Any]:
+        """Build a request (demand + reports) or a sync (reports only); mark it in flight."""
+        now = self._clock()
+        ledger = self._ledger(key)
+        demand = self._demand(key, now)
+        grants, leases = ledger.reports()
+        request = Request(type="request" if demand else "sync", client_id=self.client_id,
+                          demand=demand, grants=grants, leases=leases,
+                          supports_leases=self.supports_leases)
+        ledger.mark_sent(now)
+        return request.to_wire(semaphore=self.semaphore, key=key)
+
+    def on_response(self, key: str, response: dict[str, Any]) -> None:
+        """A holder reply (or error reply) for `key`; a malformed one counts as a failure."""
+        now = self._clock()
+        ledger = self._ledger(key)
+        try:
+            reply = parse_reply(response, semaphore=self.semaphore, key=key)
+        except InvalidMessage as exc:
+            ledger.fail(now, f"malformed_reply: {exc}")
+            return
+        if isinstance(reply, ErrorReply):
+            ledger.fail(now, f"{reply.code}: {reply.message}")
+            return
+        ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped)
+        if reply.contended:
+            self._stop_idle_leases(key, ledger)
+        self._sweep(now)
+
+    def _stop_idle_leases(self, key: str, ledger: KeyLedger) -> None:
+        """Contended: return undrawn lease permits of groups where nothing is queued."""
+        for lease in ledger.leases.values():
+            if (key, lease.group) not in self._queues:
+                lease.stop()
+
+    def on_failure(self, key: str) -> None:
+        """The in-flight message failed or timed out: retry after backoff."""
+        self._ledger(key).fail(self._clock(), "failed")
+
+    def stop(self) -> None:
+        """Shutdown: stop every lease (reported stopped=true); admit nothing more."""
+        self._stopped = True
+        for ledger in self._ledgers.values():
+            for lease in ledger.leases.values():
+                lease.stop()
+
+    # -- visibility ----------------------------------------------------------
+
+    def blocked_reason(self, key: str, group: str | None) -> str | None:
+        """Why the last reply for `key` left this group's demand queued, if it did."""
+        ledger = self._ledgers.get(key)
+        blocked = ledger.blocked.get(group) if ledger else None
+        return blocked.reason if blocked else None
+
+    def last_error(self, key: str) -> str | None:
+        """The last failure of `key` since its last good reply (`code: message`), if any."""
+        ledger = self._ledgers.get(key)
+        return ledger.last_error if ledger else None
+
+    def held(self) -> dict[str, dict[str | None, int]]:
+        """Queued (not admitted) items per key and group."""
+        counts: dict[str, dict[str | None, int]] = {}
+        for (key, group), queue in self._queues.items():
+            counts.setdefault(key, {})[group] = len(queue)
+        return counts
+
+    def running(self) -> dict[str, dict[str | None, int]]:
+        """Admitted, not yet released items per key and group."""
+        counts: dict[str, dict[str | None, int]] = {}
+        for permit in self._admitted.values():
+            groups = counts.setdefault(permit.key, {})
+            groups[permit.group] = groups.get(permit.group, 0) + 1
+        return counts
+
+    def permit(self, item_id: str) -> Permit | None:
+        """The permit an admitted, unreleased item runs under."""
+        return self._admitted.get(item_id)
+
+    def settled(self) -> bool:
+        """Nothing left to report: leases settled, grants done, nothing queued."""
+        self._sweep(self._clock())
+        return not self._queued and all(not (lg.grants or lg.leases)
+                                        for lg in self._ledgers.values())
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    # -- internals -----------------------------------------------------------
+
+    def _ledger(self, key: str) -> KeyLedger:
+        ledger = self._ledgers.get(key)
+        if ledger is None:
+            if not isinstance(key, str) or not key:
+                raise CallerError("key must be a non-empty string")
+            ledger = self._ledgers[key] = KeyLedger()
+        return ledger
+
+    def _sweep(self, now: float) -> None:
+        for key in list(self._ledgers):
+            ledger = self._ledgers[key]
+            ledger.sweep(now, self.claim_margin, stopped=self._stopped)
+            # Drop a key only once it has nothing left to remember: no copies, no
+            # forgotten ids to guard, no queued items, and no wait still to honour.
+            if (ledger.empty and not ledger.tombstones
+                    and now >= max(ledger.next_request_at, ledger.backoff_until)
+                    and not any(k == key for k, _ in self._queues)):
+                del self._ledgers[key]

@@ -1,0 +1,277 @@
+# One client's copy of the grants and leases it holds for one key, and when
+# that key must talk to the holder. Rules it keeps: reports are cumulative
+# high-water marks; what a reply says only moves a copy forward (statuses
+# never go back, permits only shrink, acknowledged marks only rise); a grant
+# or lease once forgotten is never adopted again from a late reply.
+#
+# Times from the holder are turned into local times by their offset from the
+# reply's `round_at`, anchored at the earlier of the send time of the message
+# and `round_at` itself: claim deadlines and heartbeats then fall early rather
+# than late, whatever the skew between the worker's and the holder's clocks.
+# A lease is heartbeated at half of its remaining lifetime: when
+# now >= anchor + (expires_at - round_at) / 2.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..core.messages import GrantReport, LeaseReport
+from .replies import Blocked, GrantView, LeaseView, Reply
+
+BACKOFF_BASE = 0.5
+"""Seconds to wait after the first failure of a key; doubles per failure in a row."""
+BACKOFF_MAX = 30.0
+"""Longest wait between attempts, so a holder that is back is found again soon."""
+LEASE_TOMBSTONE_TTLS = 2.0
+"""How many lease lifetimes a settled lease's id is remembered against late replies."""
+
+
+@dataclass
+class GrantCopy:
+    """The client's copy of one grant: local marks and what the holder acknowledged."""
+
+    grant_id: str
+    group: str | None
+    permits: int
+    claim_deadline: float
+    """Local time; the client never claims within its claim margin of it."""
+    claimed: int = 0
+    released: int = 0
+    expired: bool = False
+    acked_claimed: int = 0
+    acked_released: int = 0
+
+    def claimable(self, now: float, margin: float) -> int:
+        if self.expired or self.claim_deadline - margin <= now:
+            return 0
+        return max(0, self.permits - self.claimed)
+
+    def unreported_claims(self) -> bool:
+        # The holder clamps to its permits; a claim it refused is not "unreported".
+        return min(self.claimed, self.permits) > self.acked_claimed
+
+    def unreported(self) -> bool:
+        return self.unreported_claims() or min(self.released, self.permits) > self.acked_released
+
+    def done(self, now: float, margin: float, *, stopped: bool) -> bool:
+        """Nothing left to claim, everything claimed released, and the holder knows it."""
+        nothing_claimable = stopped or self.claimable(now, margin) == 0
+        return nothing_claimable and self.released == self.claimed and not self.unreported()
+
+
+@dataclass
+class LeaseCopy:
+    """The client's copy of one lease; a drawn permit is one-shot."""
+
+    lease_id: str
+    group: str | None
+    permits: int
+    expires_at: float
+    """Local time after which the holder may have retired it: draw no more."""
+    heartbeat_at: float
+    ttl: float
+    drawn: int = 0
+    released: int = 0
+    stopped: bool = False
+    """Reported `stopped=true`: we stopped it, or the holder retired it."""
+    stop_acked: bool = False
+    """A reply answered a message that carried `stopped=true` for it."""
+    acked_drawn: int = 0
+    acked_released: int = 0
+
+    def drawable(self, now: float) -> int:
+        if self.stopped or now >= self.expires_at:
+            return 0
+        return max(0, self.permits - self.drawn)
+
+    @property
+    def in_use(self) -> int:
+        return self.drawn - self.released
+
+    def unreported(self) -> bool:
+        return (
+            self.drawn > self.acked_drawn
+            or self.released > self.acked_released
+            or (self.stopped and not self.stop_acked)
+        )
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.stop_acked = False
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The one message of a key that awaits its reply."""
+
+    sent_at: float
+    stopped_leases: frozenset[str]
+
+
+@dataclass
+class KeyLedger:
+    """Everything one client knows about one key."""
+
+    grants: dict[str, GrantCopy] = field(default_factory=dict)
+    leases: dict[str, LeaseCopy] = field(default_factory=dict)
+    next_request_at: float = 0.0
+    last_round_at: float = -math.inf
+    contended: bool = False
+    blocked: dict[str | None, Blocked] = field(default_factory=dict)
+    in_flight: InFlight | None = None
+    last_sent_at: float | None = None
+    failures: int = 0
+    backoff_until: float = 0.0
+    last_error: str | None = None
+    tombstones: dict[str, float] = field(default_factory=dict)
+    """Ids of forgotten grants and leases -> local time after which to drop the id."""
+
+    # -- sending -------------------------------------------------------------
+
+    def reports(self) -> tuple[tuple[GrantReport, ...], tuple[LeaseReport, ...]]:
+        """Every grant and lease, cumulative: a report is idempotent and a heartbeat."""
+        grants = tuple(GrantReport(g.grant_id, g.claimed, g.released) for g in self.grants.values())
+        leases = tuple(
+            LeaseReport(le.lease_id, le.drawn, le.released, le.stopped)
+            for le in self.leases.values()
+        )
+        return grants, leases
+
+    def mark_sent(self, now: float) -> None:
+        stopped = frozenset(le.lease_id for le in self.leases.values() if le.stopped)
+        self.in_flight = InFlight(sent_at=now, stopped_leases=stopped)
+        self.last_sent_at = now
+
+    def fail(self, now: float, reason: str) -> None:
+        """The in-flight message failed: keep every copy, wait before the next attempt."""
+        self.in_flight = None
+        self.failures += 1
+        self.backoff_until = now + min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (self.failures - 1))
+        self.last_error = reason
+
+    # -- receiving -----------------------------------------------------------
+
+    def apply(self, reply: Reply, *, now: float, supports_leases: bool, stopped: bool) -> None:
+        """Fold a round's reply into the copies (also a late, repeated or reordered one)."""
+        in_flight = self.in_flight
+        sent_at = in_flight.sent_at if in_flight else self.last_sent_at
+        anchor = min(reply.round_at, sent_at if sent_at is not None else now)
+        latest = reply.round_at >= self.last_round_at
+        self.in_flight = None
+        self.failures = 0
+        self.backoff_until = 0.0
+        self.last_error = None
+        if latest:
+            self.last_round_at = reply.round_at
+            self.contended = reply.contended
+            self.blocked = {b.group: b for b in reply.blocked}
+            # Receipt time plus the holder's wait: a skewed holder clock cannot stall us.
+            self.next_request_at = now + max(0.0, reply.next_request_at - reply.round_at)
+        for grant in reply.grants:
+            self._apply_grant(grant, reply.round_at, anchor, now)
+        acked_stops = in_flight.stopped_leases if in_flight else frozenset()
+        for lease in reply.leases:
+            self._apply_lease(lease, reply.round_at, anchor, now, latest=latest,
+                              acked_stop=lease.lease_id in acked_stops,
+                              draw=supports_leases and not stopped)
+
+    def _apply_grant(self, view: GrantView, round_at: float, anchor: float, now: float) -> None:
+        if view.grant_id in self.tombstones:
+            return
+        copy = self.grants.get(view.grant_id)
+        if view.status == "not_found":
+            if copy is not None:
+                self.forget_grant(copy, now)
+            return
+        deadline = anchor + (view.claim_deadline - round_at)
+        if copy is None:
+            # A grant from a reply we never saw: adopt the holder's marks as ours.
+            copy = GrantCopy(view.grant_id, view.group, view.permits, deadline,
+                             claimed=view.claimed, released=view.released)
+            self.grants[view.grant_id] = copy
+        copy.claim_deadline = min(copy.claim_deadline, deadline)
+        copy.acked_claimed = max(copy.acked_claimed, view.claimed)
+        copy.acked_released = max(copy.acked_released, view.released)
+        if view.status == "expired":
+            copy.expired = True
+            copy.permits = min(copy.permits, view.permits)
+
+    def _apply_lease(self, view: LeaseView, round_at: float, anchor: float, now: float, *,
+                     latest: bool, acked_stop: bool, draw: bool) -> None:
+        if view.lease_id in self.tombstones:
+            return
+        copy = self.leases.get(view.lease_id)
+        if view.status == "settled":
+            if copy is not None:
+                self.forget_lease(copy, now)
+            return
+        remaining = max(0.0, view.expires_at - round_at)
+        if copy is None:
+            copy = LeaseCopy(view.lease_id, view.group, view.permits,
+                             expires_at=anchor + remaining, heartbeat_at=anchor + remaining / 2,
+                             ttl=remaining, drawn=view.drawn, released=view.released)
+            self.leases[view.lease_id] = copy
+            if not draw:
+                copy.stop()
+        elif latest:
+            copy.expires_at = anchor + remaining
+            copy.heartbeat_at = anchor + remaining / 2
+            copy.ttl = max(copy.ttl, remaining)
+        if acked_stop:
+            copy.stop_acked = True
+        copy.acked_drawn = max(copy.acked_drawn, view.drawn)
+        copy.acked_released = max(copy.acked_released, view.released)
+        if view.status == "retired":
+            copy.stop()  # draw no more; confirm what we drew until the holder settles it
+
+    # -- forgetting ----------------------------------------------------------
+
+    def forget_grant(self, copy: GrantCopy, now: float) -> None:
+        del self.grants[copy.grant_id]
+        # Past its claim deadline a re-adopted copy could never be claimed again.
+        self.tombstones[copy.grant_id] = max(now, copy.claim_deadline)
+
+    def forget_lease(self, copy: LeaseCopy, now: float) -> None:
+        del self.leases[copy.lease_id]
+        self.tombstones[copy.lease_id] = now + LEASE_TOMBSTONE_TTLS * copy.ttl
+
+    def sweep(self, now: float, margin: float, *, stopped: bool) -> None:
+        """Forget grants that are done and reported, and ids no late reply can carry."""
+        for copy in [g for g in self.grants.values() if g.done(now, margin, stopped=stopped)]:
+            self.forget_grant(copy, now)
+        for ident in [i for i, until in self.tombstones.items() if until < now]:
+            del self.tombstones[ident]
+
+    @property
+    def empty(self) -> bool:
+        return not self.grants and not self.leases and self.in_flight is None
+
+    # -- timing --------------------------------------------------------------
+
+    def due_at(self, now: float, margin: float, *, timeout: float, demand: bool,
+               queued_groups: set[str | None]) -> float | None:
+        """Earliest local time this key should send a message (<= now: due), None: never."""
+        if self.in_flight is not None:
+            return self.in_flight.sent_at + timeout
+        gate = max(self.next_request_at, self.backoff_until)
+        prompt = self.backoff_until if (self.contended or self.blocked) else gate
+        times = [gate] if demand else []
+        for g in self.grants.values():
+            if g.unreported():
+                times.append(prompt)
+            if g.unreported_claims():
+                # The holder must hear of a claim before it reclaims the permit.
+                times.append(max(self.backoff_until, min(gate, g.claim_deadline - margin)))
+            if g.group in queued_groups and g.claimable(now, margin):
+                times.append(max(gate, g.claim_deadline - margin))  # demand rises then
+        for le in self.leases.values():
+            if le.unreported():
+                times.append(prompt)
+            elif le.stopped and le.in_use == 0:
+                times.append(gate)  # confirmed and idle, but not yet settled: ask again
+            if not le.stopped and le.in_use:
+                times.append(max(gate, le.heartbeat_at))
+            if le.group in queued_groups and le.drawable(now):
+                times.append(max(gate, le.expires_at))
+        return min(times) if times else None

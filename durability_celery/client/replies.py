@@ -1,0 +1,180 @@
+# Holder replies as the client reads them: parsing with validation into frozen
+# views. Rule: a reply that does not parse changes nothing in the client; it is
+# handled like a failed message (the key backs off), never half-applied.
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..core.config import MAX_COUNT
+from ..core.messages import MAX_ENTRIES, MAX_ID_LENGTH, VERSION
+from ..errors import InvalidMessage
+
+GrantReplyStatus = Literal["active", "expired", "not_found"]
+LeaseReplyStatus = Literal["active", "retired", "settled"]
+
+
+@dataclass(frozen=True)
+class GrantView:
+    """One grant as the holder reported it in a reply."""
+
+    grant_id: str
+    group: str | None
+    permits: int
+    claimed: int
+    released: int
+    claim_deadline: float
+    status: GrantReplyStatus
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """One lease as the holder reported it in a reply."""
+
+    lease_id: str
+    group: str | None
+    permits: int
+    drawn: int
+    released: int
+    expires_at: float
+    status: LeaseReplyStatus
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """Demand of one group that the round left queued, and why."""
+
+    group: str | None
+    reason: str
+    queued: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A round's response for one key."""
+
+    round_at: float
+    next_request_at: float
+    contended: bool
+    grants: tuple[GrantView, ...] = ()
+    leases: tuple[LeaseView, ...] = ()
+    blocked: tuple[Blocked, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """The holder refused the message (`invalid_message`, `unknown_semaphore`, `unavailable`)."""
+
+    code: str
+    message: str
+
+
+def _get(obj: Mapping[str, Any], name: str, where: str) -> Any:
+    if name not in obj:
+        raise InvalidMessage(f"{where}{name}", "is required")
+    return obj[name]
+
+
+def _ident(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise InvalidMessage(field, f"must be a non-empty string of at most {MAX_ID_LENGTH} chars")
+    return value
+
+
+def _group(value: Any, field: str) -> str | None:
+    return None if value is None else _ident(value, field)
+
+
+def _count(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise InvalidMessage(field, f"must be an integer between 0 and {MAX_COUNT}")
+    return value
+
+
+def _time(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidMessage(field, "must be a finite number (epoch seconds)")
+    return float(value)
+
+
+def _status(value: Any, field: str, allowed: tuple[str, ...]) -> Any:
+    if value not in allowed:
+        raise InvalidMessage(field, f"must be one of {allowed}, got {value!r}")
+    return value
+
+
+def _list(obj: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
+    value = obj.get(name, [])
+    if not isinstance(value, list) or len(value) > MAX_ENTRIES:
+        raise InvalidMessage(name, f"must be a list of at most {MAX_ENTRIES} entries")
+    if not all(isinstance(entry, Mapping) for entry in value):
+        raise InvalidMessage(name, "entries must be objects")
+    return value
+
+
+def _grant(raw: Mapping[str, Any], where: str) -> GrantView:
+    return GrantView(
+        grant_id=_ident(_get(raw, "grant_id", where), f"{where}grant_id"),
+        group=_group(raw.get("group"), f"{where}group"),
+        permits=_count(raw.get("permits", 0), f"{where}permits"),
+        claimed=_count(raw.get("claimed", 0), f"{where}claimed"),
+        released=_count(raw.get("released", 0), f"{where}released"),
+        claim_deadline=_time(raw.get("claim_deadline", 0.0), f"{where}claim_deadline"),
+        status=_status(_get(raw, "status", where), f"{where}status",
+                       ("active", "expired", "not_found")),
+    )
+
+
+def _lease(raw: Mapping[str, Any], where: str) -> LeaseView:
+    return LeaseView(
+        lease_id=_ident(_get(raw, "lease_id", where), f"{where}lease_id"),
+        group=_group(raw.get("group"), f"{where}group"),
+        permits=_count(raw.get("permits", 0), f"{where}permits"),
+        drawn=_count(raw.get("drawn", 0), f"{where}drawn"),
+        released=_count(raw.get("released", 0), f"{where}released"),
+        expires_at=_time(raw.get("expires_at", 0.0), f"{where}expires_at"),
+        status=_status(_get(raw, "status", where), f"{where}status",
+                       ("active", "retired", "settled")),
+    )
+
+
+def _blocked(raw: Mapping[str, Any], where: str) -> Blocked:
+    return Blocked(
+        group=_group(raw.get("group"), f"{where}group"),
+        reason=_ident(_get(raw, "reason", where), f"{where}reason"),
+        queued=_count(raw.get("queued", 0), f"{where}queued"),
+    )
+
+
+def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
+    """Validate a holder reply for (semaphore, key); raises InvalidMessage naming the field."""
+    if not isinstance(raw, Mapping):
+        raise InvalidMessage("reply", "must be a JSON object")
+    version = raw.get("v")
+    if isinstance(version, bool) or version != VERSION:
+        raise InvalidMessage("v", f"unsupported version {version!r}; this client speaks {VERSION}")
+    if "error" in raw:
+        error = raw["error"]
+        if not isinstance(error, Mapping):
+            raise InvalidMessage("error", "must be an object")
+        return ErrorReply(code=str(error.get("code", "unknown")),
+                          message=str(error.get("message", "")))
+    if raw.get("semaphore", semaphore) != semaphore:
+        raise InvalidMessage("semaphore", f"reply is for {raw.get('semaphore')!r}, "
+                             f"not {semaphore!r}")
+    if raw.get("key", key) != key:
+        raise InvalidMessage("key", f"reply is for key {raw.get('key')!r}, not {key!r}")
+    contended = raw.get("contended", False)
+    if not isinstance(contended, bool):
+        raise InvalidMessage("contended", "must be a boolean")
+    round_at = _time(_get(raw, "round_at", ""), "round_at")
+    return Reply(
+        round_at=round_at,
+        next_request_at=_time(raw.get("next_request_at", round_at), "next_request_at"),
+        contended=contended,
+        grants=tuple(_grant(g, f"grants[{i}].") for i, g in enumerate(_list(raw, "grants"))),
+        leases=tuple(_lease(le, f"leases[{i}].") for i, le in enumerate(_list(raw, "leases"))),
+        blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),
+    )
