@@ -79,10 +79,10 @@ class SemaphoreClient:
         """Queue an item for a permit; False (no change) if it is already queued or admitted."""
         if item_id in self._queued or item_id in self._admitted:
             return False
+        self._ledger(key)  # validates the key before anything changes
         item = _Queued(item_id, key, group, float(enqueued_at), next(self._seq))
         self._queued[item_id] = item
         bisect.insort(self._queues.setdefault((key, group), []), item.order)
-        self._ledger(key)
         return True
 
     def cancel(self, item_id: str) -> bool:

@@ -184,7 +184,9 @@ class KeyLedger:
             if copy is not None:
                 self.forget_grant(copy, now)
             return
-        deadline = anchor + (view.claim_deadline - round_at)
+        # No deadline: the holder gives no window to claim in, so claim nothing.
+        offset = view.claim_deadline - round_at if view.claim_deadline is not None else 0.0
+        deadline = anchor + offset
         if copy is None:
             # A grant from a reply we never saw: adopt the holder's marks as ours.
             copy = GrantCopy(view.grant_id, view.group, view.permits, deadline,
@@ -206,7 +208,7 @@ class KeyLedger:
             if copy is not None:
                 self.forget_lease(copy, now)
             return
-        remaining = max(0.0, view.expires_at - round_at)
+        remaining = max(0.0, view.expires_at - round_at) if view.expires_at is not None else 0.0
         if copy is None:
             copy = LeaseCopy(view.lease_id, view.group, view.permits,
                              expires_at=anchor + remaining, heartbeat_at=anchor + remaining / 2,

@@ -25,7 +25,8 @@ class GrantView:
     permits: int
     claimed: int
     released: int
-    claim_deadline: float
+    claim_deadline: float | None
+    """None for a grant the holder does not have (`not_found`)."""
     status: GrantReplyStatus
 
 
@@ -38,7 +39,8 @@ class LeaseView:
     permits: int
     drawn: int
     released: int
-    expires_at: float
+    expires_at: float | None
+    """None for a lease the holder never knew."""
     status: LeaseReplyStatus
 
 
@@ -99,6 +101,10 @@ def _time(value: Any, field: str) -> float:
     return float(value)
 
 
+def _optional_time(value: Any, field: str) -> float | None:
+    return None if value is None else _time(value, field)
+
+
 def _status(value: Any, field: str, allowed: tuple[str, ...]) -> Any:
     if value not in allowed:
         raise InvalidMessage(field, f"must be one of {allowed}, got {value!r}")
@@ -121,7 +127,7 @@ def _grant(raw: Mapping[str, Any], where: str) -> GrantView:
         permits=_count(raw.get("permits", 0), f"{where}permits"),
         claimed=_count(raw.get("claimed", 0), f"{where}claimed"),
         released=_count(raw.get("released", 0), f"{where}released"),
-        claim_deadline=_time(raw.get("claim_deadline", 0.0), f"{where}claim_deadline"),
+        claim_deadline=_optional_time(raw.get("claim_deadline"), f"{where}claim_deadline"),
         status=_status(_get(raw, "status", where), f"{where}status",
                        ("active", "expired", "not_found")),
     )
@@ -134,7 +140,7 @@ def _lease(raw: Mapping[str, Any], where: str) -> LeaseView:
         permits=_count(raw.get("permits", 0), f"{where}permits"),
         drawn=_count(raw.get("drawn", 0), f"{where}drawn"),
         released=_count(raw.get("released", 0), f"{where}released"),
-        expires_at=_time(raw.get("expires_at", 0.0), f"{where}expires_at"),
+        expires_at=_optional_time(raw.get("expires_at"), f"{where}expires_at"),
         status=_status(_get(raw, "status", where), f"{where}status",
                        ("active", "retired", "settled")),
     )

@@ -1,0 +1,201 @@
+# SemaphoreClient, the client queue and its reports: enqueue/cancel/admit/
+# release, demand deduction, cumulative reports, one-shot lease draws, claim
+# margin, and when a key is due. Pure: a fake clock and hand-built replies.
+from __future__ import annotations
+
+import pytest
+
+from durability_celery.core.messages import parse_request
+from durability_celery.errors import CallerError
+
+from .helpers import (
+    KEY,
+    SEM,
+    FakeClock,
+    demand,
+    grant,
+    grant_reports,
+    lease,
+    lease_reports,
+    make_client,
+    reply,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_duplicate_enqueue_is_refused_while_queued_or_admitted() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    assert client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    assert not client.enqueue(KEY, "other", "t1", enqueued_at=0.5)
+    assert client.held() == {KEY: {None: 1}}
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[grant("g1", claim_deadline=clock.now + 10)]))
+    [permit] = client.admit()
+    assert permit.item_id == "t1"
+    assert not client.enqueue(KEY, None, "t1", enqueued_at=2.0)  # duplicate delivery
+    assert client.held() == {}
+    assert client.release("t1")
+    assert not client.release("t1")  # idempotent
+    # A retried task comes back with the same id and queues for a new permit.
+    assert client.enqueue(KEY, None, "t1", enqueued_at=3.0)
+
+
+def test_cancel_removes_a_queued_item_only() -> None:
+    client = make_client(FakeClock())
+    client.enqueue(KEY, "a", "t1", enqueued_at=1.0)
+    client.enqueue(KEY, "a", "t2", enqueued_at=2.0)
+    assert client.cancel("t1")
+    assert not client.cancel("t1")
+    assert not client.cancel("never")
+    assert client.held() == {KEY: {"a": 1}}
+    assert demand(client.message(KEY)) == {"a": (1, 2.0)}
+
+
+def test_first_message_is_a_valid_request_with_demand_and_then_in_flight() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    assert client.due() == []
+    assert client.next_due_at() is None
+    client.enqueue(KEY, "wf", "t2", enqueued_at=5.0)
+    client.enqueue(KEY, "wf", "t1", enqueued_at=4.0)
+    client.enqueue(KEY, None, "t3", enqueued_at=6.0)
+    assert client.due() == [KEY]
+    message = client.message(KEY)
+    request = parse_request(message, semaphore=SEM, key=KEY)  # what the holder will accept
+    assert request.type == "request" and request.supports_leases
+    assert demand(message) == {"wf": (2, 4.0), None: (1, 6.0)}
+    # One message in flight per key: nothing more is due until it is answered.
+    assert client.due() == []
+    assert client.next_due_at() == clock.now + 10.0  # its request_timeout
+
+
+def test_admit_claims_grant_permits_oldest_first_and_deducts_demand() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i, at in enumerate([3.0, 1.0, 2.0]):
+        client.enqueue(KEY, "wf", f"t{i}", enqueued_at=at)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", group="wf", permits=2, claim_deadline=clock.now + 10)]))
+    # Held but not yet claimed permits cover two items: demand is the rest.
+    assert demand(client.message(KEY)) == {"wf": (1, 3.0)}
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", group="wf", permits=2, claim_deadline=clock.now + 10)]))
+    permits = client.admit()
+    assert [p.item_id for p in permits] == ["t1", "t2"]
+    assert {(p.source, p.source_id, p.group) for p in permits} == {("grant", "g1", "wf")}
+    assert client.running() == {KEY: {"wf": 2}}
+    assert client.held() == {KEY: {"wf": 1}}
+    assert client.admit() == []
+
+
+def test_admit_limit_and_age_order_across_groups() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, "a", "a1", enqueued_at=1.0)
+    client.enqueue(KEY, "b", "b1", enqueued_at=2.0)
+    client.enqueue(KEY, "a", "a2", enqueued_at=3.0)
+    client.message(KEY)
+    deadline = clock.now + 10
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("ga", group="a", permits=2, claim_deadline=deadline),
+        grant("gb", group="b", permits=1, claim_deadline=deadline)]))
+    assert [p.item_id for p in client.admit(limit=2)] == ["a1", "b1"]
+    assert client.admit(limit=0) == []
+    assert [p.item_id for p in client.admit()] == ["a2"]
+
+
+def test_reports_are_cumulative_high_water_marks() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i in range(3):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=3, claim_deadline=clock.now + 10)]))
+    client.admit()
+    client.release("t0")
+    first = grant_reports(client.message(KEY))
+    assert first == {"g1": (3, 1)}
+    client.on_failure(KEY)  # lost: the next message carries the same totals, not a delta
+    clock.advance(60)
+    assert grant_reports(client.message(KEY)) == {"g1": (3, 1)}
+    client.release("t1")
+    client.on_failure(KEY)
+    clock.advance(60)
+    assert grant_reports(client.message(KEY)) == {"g1": (3, 2)}
+
+
+def test_lease_permits_are_drawn_first_and_are_one_shot() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i in range(3):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claim_deadline=clock.now + 10)],
+        leases=[lease("l1", permits=2, expires_at=clock.now + 1800)]))
+    permits = client.admit()
+    assert [(p.item_id, p.source) for p in permits] == [
+        ("t0", "lease"), ("t1", "lease"), ("t2", "grant")]
+    client.release("t0")
+    client.enqueue(KEY, None, "t3", enqueued_at=4.0)
+    assert client.admit() == []  # the released lease permit is not drawable again
+    assert lease_reports(client.message(KEY)) == {"l1": (2, 1, False)}
+
+
+def test_demand_deducts_undrawn_lease_permits_and_claimable_grant_permits() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", group="wf", permits=2, claim_deadline=clock.now + 10)],
+        leases=[lease("l1", group="wf", permits=3, expires_at=clock.now + 1800)]))
+    for i in range(7):
+        client.enqueue(KEY, "wf", f"t{i}", enqueued_at=10.0 + i)
+    # Five permits held: the two youngest items are the demand, aged by the older.
+    assert demand(client.message(KEY)) == {"wf": (2, 15.0)}
+
+
+def test_claim_margin_keeps_grant_permits_unclaimed_near_the_deadline() -> None:
+    clock = FakeClock()
+    client = make_client(clock, claim_margin=2.0)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claim_deadline=clock.now + 5)]))
+    clock.advance(3.0)  # deadline - margin == now: too late to claim safely
+    assert client.admit() == []
+    # The permit no longer covers the item, so it is demand again.
+    assert demand(client.message(KEY)) == {None: (1, 1.0)}
+
+
+def test_grant_is_forgotten_only_after_its_final_state_was_reported() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claim_deadline=clock.now + 10)]))
+    client.admit()
+    client.release("t1")
+    assert not client.settled()
+    clock.advance(2.0)
+    assert client.due() == [KEY]
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+    assert not client.settled()  # reported, but not yet acknowledged
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claimed=1, released=1, claim_deadline=clock.now + 8)]))
+    assert client.settled()
+    assert grant_reports(client.message(KEY)) == {}
+
+
+def test_constructor_and_key_validation() -> None:
+    with pytest.raises(CallerError):
+        make_client(FakeClock(), client_id="")
+    with pytest.raises(CallerError):
+        make_client(FakeClock(), request_timeout=0)
+    with pytest.raises(CallerError):
+        make_client(FakeClock()).enqueue("", None, "t", enqueued_at=1.0)
