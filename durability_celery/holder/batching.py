@@ -1,0 +1,151 @@
+# When the holder runs a round or a reclaim for each key: the waiting requests,
+# the round timer and the claim-deadline alarm, with no I/O and no clock (`now`
+# is always a parameter). Rule: at most one job per key at a time, and a key's
+# round starts at max(first waiting arrival + round_wait, last round + round_period).
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+KeyId = tuple[str, str]
+"""(semaphore, key): what one holder state, one round timer and one alarm belong to."""
+
+ALARM_MIN_DELAY = 0.1
+"""A deadline at or before `now` from a reclaim is retried this much later, never in a hot loop."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """One request waiting for its key's next round, with where its answer goes."""
+
+    body: dict[str, Any]
+    reply_to: str | None
+    correlation_id: str | None
+    arrived_at: float
+
+
+@dataclass(frozen=True)
+class Round:
+    """Run one round for `key_id` over `requests` (in arrival order)."""
+
+    key_id: KeyId
+    requests: tuple[Waiting, ...]
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Run the claim-deadline alarm for `key_id`: reclaim expired unclaimed grants."""
+
+    key_id: KeyId
+
+
+Job = Round | Reclaim
+
+
+@dataclass
+class _Slot:
+    waiting: list[Waiting] = field(default_factory=list)
+    last_round_at: float | None = None
+    busy: bool = False
+    alarm_at: float | None = None
+
+
+class Batcher:
+    """The holder's in-memory scheduling state for every key it has seen."""
+
+    def __init__(self, timing: Callable[[str], tuple[float, float]], *, max_batch: int = 1000):
+        # timing(semaphore) -> (round_wait, round_period)
+        self._timing = timing
+        self._max_batch = max_batch
+        self._slots: dict[KeyId, _Slot] = {}
+
+    def add(self, key_id: KeyId, request: Waiting) -> None:
+        self._slots.setdefault(key_id, _Slot()).waiting.append(request)
+
+    def set_alarm(self, key_id: KeyId, deadline: float) -> None:
+        """Follow `deadline` if it is earlier than the alarm already set for the key."""
+        slot = self._slots.setdefault(key_id, _Slot())
+        if slot.alarm_at is None or deadline < slot.alarm_at:
+            slot.alarm_at = deadline
+
+    def replace_alarm(self, key_id: KeyId, deadline: float | None, *, now: float) -> None:
+        """After a reclaim the store knows the key's next deadline: follow exactly that."""
+        slot = self._slots.setdefault(key_id, _Slot())
+        slot.alarm_at = None if deadline is None else max(deadline, now + ALARM_MIN_DELAY)
+
+    def round_at(self, key_id: KeyId) -> float | None:
+        """When the waiting requests of `key_id` get their round (None: nothing waits)."""
+        slot = self._slots.get(key_id)
+        if slot is None or not slot.waiting:
+            return None
+        return self._round_at(key_id, slot)
+
+    def _round_at(self, key_id: KeyId, slot: _Slot) -> float:
+        round_wait, round_period = self._timing(key_id[0])
+        at = slot.waiting[0].arrived_at + round_wait
+        if slot.last_round_at is not None:
+            at = max(at, slot.last_round_at + round_period)
+        return at
+
+    def take_due(self, now: float) -> list[Job]:
+        """Jobs to start now; their keys are busy until `finished` is called."""
+        jobs: list[Job] = []
+        for key_id, slot in list(self._slots.items()):
+            if slot.busy:
+                continue
+            if slot.waiting and self._round_at(key_id, slot) <= now:
+                batch = slot.waiting[: self._max_batch]
+                del slot.waiting[: self._max_batch]
+                slot.busy = True
+                slot.last_round_at = now
+                jobs.append(Round(key_id, tuple(batch)))
+            elif slot.alarm_at is not None and slot.alarm_at <= now:
+                slot.busy = True
+                slot.alarm_at = None
+                jobs.append(Reclaim(key_id))
+            elif self._forgettable(key_id, slot, now):
+                del self._slots[key_id]
+        return jobs
+
+    def _forgettable(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
+        # A slot with nothing pending is kept only while its last round still
+        # spaces the next one; after that it carries no information.
+        if slot.waiting or slot.alarm_at is not None:
+            return False
+        if slot.last_round_at is None:
+            return True
+        return now >= slot.last_round_at + self._timing(key_id[0])[1]
+
+    def finished(self, key_id: KeyId) -> None:
+        """The key's job ended (committed or failed): it may run the next one."""
+        slot = self._slots.get(key_id)
+        if slot is not None:
+            slot.busy = False
+
+    def next_wake(self) -> float | None:
+        """The earliest time `take_due` may return a job (None: nothing scheduled)."""
+        times = []
+        for key_id, slot in self._slots.items():
+            if slot.busy:
+                continue
+            if slot.waiting:
+                times.append(self._round_at(key_id, slot))
+            if slot.alarm_at is not None:
+                times.append(slot.alarm_at)
+        return min(times, default=None)
+
+    def drop_waiting(self) -> list[Waiting]:
+        """Forget every waiting request (their clients time out and ask again)."""
+        dropped = []
+        for slot in self._slots.values():
+            dropped.extend(slot.waiting)
+            slot.waiting.clear()
+        return dropped
+
+    def waiting_count(self) -> int:
+        return sum(len(slot.waiting) for slot in self._slots.values())
+
+    def alarm(self, key_id: KeyId) -> float | None:
+        slot = self._slots.get(key_id)
+        return None if slot is None else slot.alarm_at

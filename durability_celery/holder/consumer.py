@@ -1,0 +1,145 @@
+# The holder's consumer thread: its own kombu connection consuming the shard
+# queues, turning each message into a waiting request for the dispatcher or an
+# error answer. Rules: never crash on input (too large, not JSON, not an
+# object, unknown semaphore: a warning and, when there is a reply_to, an error
+# answer); a lost broker connection is retried with bounded backoff, forever,
+# until the holder stops.
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kombu.messaging import Consumer
+
+from .batching import Waiting
+from .dispatcher import Dispatcher
+from .queues import MAX_BODY_BYTES, holder_queue_declaration
+
+logger = logging.getLogger("durability_celery.holder")
+
+BACKOFF_START = 0.5
+BACKOFF_MAX = 10.0
+POLL = 0.5
+"""drain_events timeout: how soon a stop is noticed while no message arrives."""
+
+
+class HolderConsumer(threading.Thread):
+    """Consumes `queue_names` and feeds the dispatcher."""
+
+    def __init__(
+        self,
+        *,
+        app: Any,
+        queue_names: list[str],
+        semaphores: dict[str, Any],
+        dispatcher: Dispatcher,
+        clock: Callable[[], float],
+    ) -> None:
+        super().__init__(name="durability-holder-consumer", daemon=True)
+        self._app = app
+        self._queue_names = queue_names
+        self._semaphores = semaphores
+        self._dispatcher = dispatcher
+        self._clock = clock
+        self._stopping = threading.Event()
+        self.consuming = threading.Event()
+
+    def stop(self, *, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self.join(timeout)
+
+    def run(self) -> None:
+        backoff = BACKOFF_START
+        while not self._stopping.is_set():
+            try:
+                self._consume()
+                backoff = BACKOFF_START
+            except Exception as exc:
+                self.consuming.clear()
+                if self._stopping.is_set():
+                    break
+                logger.warning(
+                    "durability holder: broker connection lost (%r); reconnecting in %.1fs",
+                    exc, backoff,
+                )
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def _consume(self) -> None:
+        with self._app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=1)
+            channel = connection.channel()
+            queues = [holder_queue_declaration(name) for name in self._queue_names]
+            consumer = Consumer(  # type: ignore[no-untyped-call]
+                channel, queues, accept=["json"], no_ack=True, on_message=self._on_message,
+                on_decode_error=self._on_decode_error,
+            )
+            with consumer:
+                self.consuming.set()
+                logger.info("durability holder: consuming %s", ", ".join(self._queue_names))
+                while not self._stopping.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        connection.drain_events(timeout=POLL)
+
+    # --- one message --------------------------------------------------------
+
+    def _on_message(self, message: Any) -> None:
+        # Acks are off (no_ack): a request lost with a dying holder is asked again
+        # by its client, and a replayed stale one would only grant permits twice.
+        try:
+            self._take(message)
+        except Exception:
+            logger.exception("durability holder: could not handle a message; dropped")
+
+    def _on_decode_error(self, message: Any, exc: Exception) -> None:
+        properties = getattr(message, "properties", None) or {}
+        self._reject(properties.get("reply_to") or None, properties.get("correlation_id"),
+                     "invalid_message", f"undecodable message: {type(exc).__name__}")
+
+    def _take(self, message: Any) -> None:
+        properties = message.properties or {}
+        reply_to = properties.get("reply_to") or None
+        correlation_id = properties.get("correlation_id")
+        body = self._decode(message, reply_to, correlation_id)
+        if body is None:
+            return
+        name, key = body.get("semaphore"), body.get("key")
+        if not isinstance(name, str) or not isinstance(key, str):
+            self._reject(reply_to, correlation_id, "invalid_message",
+                         "semaphore and key must be strings")
+            return
+        if name not in self._semaphores:
+            self._reject(reply_to, correlation_id, "unknown_semaphore",
+                         f"this holder does not serve semaphore {name!r}")
+            return
+        request = Waiting(body, reply_to, correlation_id, self._clock())
+        self._dispatcher.submit((name, key), request)
+
+    def _decode(self, message: Any, reply_to: str | None,
+                correlation_id: str | None) -> dict[str, Any] | None:
+        size = len(message.body or b"")
+        if size > MAX_BODY_BYTES:
+            self._reject(reply_to, correlation_id, "invalid_message",
+                         f"message of {size} bytes exceeds {MAX_BODY_BYTES}")
+            return None
+        try:
+            body = message.decode()
+        except Exception as exc:
+            self._reject(reply_to, correlation_id, "invalid_message",
+                         f"not a JSON message: {type(exc).__name__}")
+            return None
+        if not isinstance(body, dict):
+            self._reject(reply_to, correlation_id, "invalid_message",
+                         "message must be a JSON object")
+            return None
+        return body
+
+    def _reject(self, reply_to: str | None, correlation_id: str | None,
+                code: str, text: str) -> None:
+        logger.warning("durability holder: rejected a message (%s: %s), reply_to=%r",
+                       code, text, reply_to)
+        if reply_to:
+            self._dispatcher.answer_error(reply_to, correlation_id, code, text)

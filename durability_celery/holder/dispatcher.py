@@ -1,0 +1,271 @@
+# The holder's scheduling thread: takes requests from the consumer thread,
+# starts each key's round or reclaim on a thread pool when the Batcher says it
+# is due, and publishes the answers. Rules: SQL runs only on the pool threads;
+# replies are published only after `run_round` returned (its transaction
+# committed), and only from this thread, which owns the reply connection.
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InfrastructureError
+from .batching import Batcher, KeyId, Reclaim, Round, Waiting
+from .queues import error_reply
+from .replies import ReplyPublisher
+
+logger = logging.getLogger("durability_celery.holder")
+
+RETRY_AFTER_FAILURE = 2.0
+"""A reclaim that failed (database down) is tried again this much later."""
+MAX_SLEEP = 0.5
+"""Longest wait for an event, so a stop is noticed promptly even without one."""
+
+
+@dataclass(frozen=True)
+class _Incoming:
+    key_id: KeyId
+    request: Waiting
+
+
+@dataclass(frozen=True)
+class _ErrorAnswer:
+    reply_to: str
+    correlation_id: str | None
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _RoundDone:
+    job: Round
+    responses: list[dict[str, Any]] | None  # None: the round failed, nothing committed
+
+
+@dataclass(frozen=True)
+class _ReclaimDone:
+    key_id: KeyId
+    deadline: float | None
+    failed: bool
+
+
+@dataclass(frozen=True)
+class _ScanDone:
+    deadlines: list[tuple[KeyId, float]]
+
+
+_STOP = object()
+_CANCELLED = object()
+
+
+class Dispatcher(threading.Thread):
+    """Runs rounds and reclaims for the keys of the shards this holder serves."""
+
+    def __init__(
+        self,
+        *,
+        semaphores: dict[str, Any],
+        serves: Callable[[str, str], bool],
+        publisher: ReplyPublisher,
+        round_threads: int,
+        scan_interval: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(name="durability-holder-dispatcher", daemon=True)
+        self._semaphores = semaphores
+        self._serves = serves
+        self._publisher = publisher
+        self._clock = clock
+        self._scan_interval = scan_interval
+        self._inbox: queue.Queue[object] = queue.Queue()
+        self._batcher = Batcher(self._timing)
+        self._pool = ThreadPoolExecutor(round_threads, thread_name_prefix="durability-round")
+        self._running = 0
+        self._next_scan = 0.0
+
+    # --- called from other threads ---------------------------------------
+
+    def submit(self, key_id: KeyId, request: Waiting) -> None:
+        self._inbox.put(_Incoming(key_id, request))
+
+    def answer_error(self, reply_to: str, correlation_id: str | None, code: str, text: str) -> None:
+        self._inbox.put(_ErrorAnswer(reply_to, correlation_id, error_reply(code, text)))
+
+    def stop(self, *, timeout: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        self.join(timeout)
+
+    # --- the thread --------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                if not self._handle_events(self._wait_time()):
+                    break
+                self._start_due_jobs()
+        except Exception:
+            logger.exception("durability holder: dispatcher crashed")
+        finally:
+            self._finish()
+
+    def _wait_time(self) -> float:
+        wake = self._batcher.next_wake()
+        if wake is None:
+            return MAX_SLEEP
+        return min(MAX_SLEEP, max(0.0, wake - self._clock()))
+
+    def _handle_events(self, timeout: float) -> bool:
+        """Handle the next event and everything queued behind it; False on stop."""
+        try:
+            event = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return True
+        while True:
+            if event is _STOP:
+                return False
+            self._handle(event)
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, event: object) -> None:
+        if isinstance(event, _Incoming):
+            self._batcher.add(event.key_id, event.request)
+        elif isinstance(event, _RoundDone):
+            self._round_done(event)
+        elif isinstance(event, _ReclaimDone):
+            self._running -= 1
+            self._batcher.finished(event.key_id)
+            now = self._clock()
+            deadline = now + RETRY_AFTER_FAILURE if event.failed else event.deadline
+            self._batcher.replace_alarm(event.key_id, deadline, now=now)
+        elif isinstance(event, _ScanDone):
+            self._running -= 1
+            for key_id, deadline in event.deadlines:
+                self._batcher.set_alarm(key_id, deadline)
+        elif event is _CANCELLED:
+            self._running -= 1
+        elif isinstance(event, _ErrorAnswer):
+            self._publisher.publish(event.reply_to, event.correlation_id, event.body)
+
+    def _round_done(self, event: _RoundDone) -> None:
+        self._running -= 1
+        key_id = event.job.key_id
+        self._batcher.finished(key_id)
+        if event.responses is None:
+            answers: Iterable[dict[str, Any]] = [
+                error_reply("unavailable", "the holder's database failed; ask again later")
+            ] * len(event.job.requests)
+        else:
+            answers = event.responses
+            for deadline in _claim_deadlines(event.responses):
+                self._batcher.set_alarm(key_id, deadline)
+        for request, answer in zip(event.job.requests, answers, strict=True):
+            if request.reply_to:
+                self._publisher.publish(request.reply_to, request.correlation_id, answer)
+
+    def _start_due_jobs(self) -> None:
+        now = self._clock()
+        for job in self._batcher.take_due(now):
+            self._running += 1
+            if isinstance(job, Round):
+                self._track(self._pool.submit(self._run_round, job))
+            else:
+                self._track(self._pool.submit(self._run_reclaim, job))
+        if now >= self._next_scan:
+            self._next_scan = now + self._scan_interval
+            self._running += 1
+            self._track(self._pool.submit(self._scan))
+
+    def _track(self, future: Future[None]) -> None:
+        # A job cancelled at shutdown never reports back: count it as done.
+        future.add_done_callback(
+            lambda f: self._inbox.put(_CANCELLED) if f.cancelled() else None
+        )
+
+    def _finish(self) -> None:
+        # Rounds already running commit anyway: wait (bounded) for them so their
+        # clients hear back; requests still waiting are dropped and asked again.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        dropped = self._batcher.drop_waiting()
+        if dropped:
+            logger.info("durability holder: stopping, %d waiting request(s) dropped", len(dropped))
+        deadline = time.monotonic() + 10.0
+        while self._running > 0 and time.monotonic() < deadline:
+            try:
+                event = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if event is not _STOP and not isinstance(event, _Incoming):
+                self._handle(event)
+        self._publisher.close()
+
+    # --- pool threads: the only place SQL runs ------------------------------
+
+    def _timing(self, semaphore: str) -> tuple[float, float]:
+        config = self._semaphores[semaphore].config
+        return float(config.round_wait), float(config.round_period)
+
+    def _run_round(self, job: Round) -> None:
+        semaphore, key = job.key_id
+        responses: list[dict[str, Any]] | None = None
+        try:
+            result = self._semaphores[semaphore].run_round(key, [r.body for r in job.requests])
+            if len(result) != len(job.requests):
+                raise RuntimeError(f"run_round returned {len(result)} responses "
+                                   f"for {len(job.requests)} messages")
+            responses = list(result)
+        except Exception as exc:
+            _log_failure("round", job.key_id, exc)
+        self._inbox.put(_RoundDone(job, responses))
+
+    def _run_reclaim(self, job: Reclaim) -> None:
+        semaphore, key = job.key_id
+        try:
+            deadline = self._semaphores[semaphore].reclaim(key)
+        except Exception as exc:
+            _log_failure("reclaim", job.key_id, exc)
+            self._inbox.put(_ReclaimDone(job.key_id, None, failed=True))
+            return
+        self._inbox.put(_ReclaimDone(job.key_id, deadline, failed=False))
+
+    def _scan(self) -> None:
+        found: list[tuple[KeyId, float]] = []
+        for name, semaphore in self._semaphores.items():
+            try:
+                for key, deadline in semaphore.due_deadlines():
+                    if self._serves(name, key):
+                        found.append(((name, key), float(deadline)))
+            except Exception as exc:
+                _log_failure("deadline scan", (name, "*"), exc)
+        self._inbox.put(_ScanDone(found))
+
+
+def _claim_deadlines(responses: Iterable[dict[str, Any]]) -> Iterable[float]:
+    """Claim deadlines of the grants with unclaimed permits named in these responses."""
+    for response in responses:
+        for grant in response.get("grants") or ():
+            if (grant.get("status") == "active"
+                    and grant.get("claimed", 0) < grant.get("permits", 0)
+                    and isinstance(grant.get("claim_deadline"), int | float)):
+                yield float(grant["claim_deadline"])
+
+
+def _log_failure(what: str, key_id: KeyId, exc: Exception) -> None:
+    if isinstance(exc, InfrastructureError) or _is_database_error(exc):
+        logger.error("durability holder: %s for %s/%s failed, database unavailable: %r",
+                     what, key_id[0], key_id[1], exc)
+    else:
+        logger.error("durability holder: %s for %s/%s failed", what, key_id[0], key_id[1],
+                     exc_info=exc)
+
+
+def _is_database_error(exc: Exception) -> bool:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return isinstance(exc, SQLAlchemyError)

@@ -1,0 +1,46 @@
+# The kombu declarations of the holder protocol, shared by the holder and every
+# client so both sides declare each queue with the same arguments (RabbitMQ
+# refuses a redeclaration that differs). Rule: kombu only, nothing that loads
+# Celery's worker or the SQL store, so a plain producer can import it cheaply.
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kombu.entity import Queue
+
+MAX_BODY_BYTES = 1024 * 1024
+"""Larger request bodies are answered with `invalid_message` and never decoded."""
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def holder_queue_declaration(name: str) -> Queue:
+    """A holder shard queue.
+
+    Durable and never expiring: requests published while the holder restarts
+    wait in it and are served by the next holder. Bound to the default
+    exchange only, so the routing key is the queue name on every transport.
+    """
+    return Queue(  # type: ignore[no-untyped-call]
+        name, routing_key=name, durable=True, auto_delete=False
+    )
+
+
+def reply_queue_declaration(name: str, *, expires: float) -> Queue:
+    """A client's reply queue: gone with its connection, or after `expires` seconds unused."""
+    return Queue(  # type: ignore[no-untyped-call]
+        name, routing_key=name, durable=False, exclusive=True, auto_delete=True,
+        expires=expires,
+    )
+
+
+def safe_queue_part(text: str) -> str:
+    """`text` usable inside a queue name on every transport (the filesystem
+    transport puts queue names in file names, so no slashes)."""
+    return _UNSAFE.sub("_", text)[:120]
+
+
+def error_reply(code: str, message: str) -> dict[str, Any]:
+    """An error answer of the wire protocol (DESIGN.md, internals.md)."""
+    return {"v": 1, "error": {"code": code, "message": message}}

@@ -1,0 +1,91 @@
+# One running holder: the dispatcher thread (scheduling, replies) and the
+# consumer thread (shard queues), wired to one Durability configuration.
+# Rule: start and stop are the only entry points; everything else happens on
+# the holder's own threads, never on the worker's event loop.
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from ..routing import shard_for
+from .consumer import HolderConsumer
+from .dispatcher import Dispatcher
+from .replies import ReplyPublisher
+
+if TYPE_CHECKING:
+    from ..app import Durability
+
+logger = logging.getLogger("durability_celery.holder")
+
+
+class Holder:
+    """The holder role for `shards` (all shards when None) of one Durability configuration."""
+
+    def __init__(self, durability: Durability, *, shards: Iterable[int] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        settings = durability.settings
+        self.shards = sorted(set(range(settings.shards) if shards is None else shards))
+        served = frozenset(self.shards)
+
+        def serves(semaphore: str, key: str) -> bool:
+            return shard_for(semaphore, key, settings.shards) in served
+
+        self.dispatcher = Dispatcher(
+            semaphores=durability.semaphores,
+            serves=serves,
+            publisher=ReplyPublisher(durability.app, reply_expires=settings.reply_expires),
+            round_threads=settings.round_threads,
+            scan_interval=settings.reclaim_interval,
+            clock=clock,
+        )
+        self.consumer = HolderConsumer(
+            app=durability.app,
+            queue_names=durability.holder_queues(self.shards),
+            semaphores=durability.semaphores,
+            dispatcher=self.dispatcher,
+            clock=clock,
+        )
+
+    def start(self) -> None:
+        logger.info("durability holder: starting for shards %s", _ranges(self.shards))
+        self.dispatcher.start()
+        self.consumer.start()
+
+    def stop(self, *, timeout: float = 15.0) -> None:
+        """Stop consuming first, then let running rounds answer (bounded by `timeout`)."""
+        deadline = time.monotonic() + timeout
+        self.consumer.stop(timeout=max(0.1, deadline - time.monotonic()))
+        self.dispatcher.stop(timeout=max(0.1, deadline - time.monotonic()))
+        logger.info("durability holder: stopped")
+
+
+def parse_shards(spec: str | None, shards: int) -> list[int] | None:
+    """`"0-7,9"` -> [0..7, 9]; None or empty -> None (every shard). ValueError names the problem."""
+    if spec is None or not spec.strip():
+        return None
+    chosen: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high) if high else int(low)
+        except ValueError:
+            raise ValueError(f"--durability-shards: {part.strip()!r} is not N or N-M") from None
+        if not 0 <= first <= last < shards:
+            raise ValueError(
+                f"--durability-shards: {part.strip()!r} is outside 0-{shards - 1} "
+                f"(DurabilitySettings.shards={shards})"
+            )
+        chosen.update(range(first, last + 1))
+    return sorted(chosen)
+
+
+def _ranges(shards: list[int]) -> str:
+    parts: list[str] = []
+    for shard in shards:
+        if parts and parts[-1].split("-")[-1] == str(shard - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{shard}"
+        else:
+            parts.append(str(shard))
+    return ",".join(parts)

@@ -1,0 +1,65 @@
+# The Celery side of the holder: the `--durability-holder` worker option and a
+# worker bootstep that runs a Holder on its own threads. Rule: the step only
+# starts and stops the Holder; a worker started without the flag is untouched.
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import click
+from celery import bootsteps
+
+from ..errors import ConfigurationError
+from .service import Holder, parse_shards
+
+logger = logging.getLogger("durability_celery.holder")
+
+
+class HolderStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Runs the holder in a worker started with --durability-holder."""
+
+    label = "Durability holder"
+
+    def __init__(self, parent: Any, durability_holder: bool = False,
+                 durability_shards: str | None = None, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.enabled = bool(durability_holder)
+        self.shards_spec = durability_shards
+        self.holder: Holder | None = None
+
+    def create(self, parent: Any) -> HolderStep:
+        return self
+
+    def start(self, parent: Any) -> None:
+        from ..app import durability_for
+
+        durability = durability_for(parent.app)
+        try:
+            shards = parse_shards(self.shards_spec, durability.settings.shards)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+        self.holder = Holder(durability, shards=shards)
+        self.holder.start()
+
+    def stop(self, parent: Any) -> None:
+        holder, self.holder = self.holder, None
+        if holder is not None:
+            holder.stop()
+
+    def shutdown(self, parent: Any) -> None:
+        self.stop(parent)
+
+
+def add_worker_options(app: Any) -> None:
+    """The worker command-line options of the holder role (idempotent per app)."""
+    options = app.user_options["worker"]
+    if any("--durability-holder" in getattr(o, "opts", ()) for o in options):
+        return
+    options.add(click.Option(
+        ["--durability-holder"], is_flag=True, default=False,
+        help="Run the durability holder in this worker (consumes the holder shard queues).",
+    ))
+    options.add(click.Option(
+        ["--durability-shards"], default=None, metavar="SHARDS",
+        help="Holder shards to serve, e.g. 0-7,9 (default: all).",
+    ))
