@@ -1,0 +1,104 @@
+# The schema: migrate creates, is idempotent, records its version, refuses a
+# newer database, and `migrate(engine, None)` removes everything; on both backends.
+from __future__ import annotations
+
+import threading
+
+import pytest
+import sqlalchemy as sa
+
+from durability_celery import store
+from durability_celery.errors import ConfigurationError
+from durability_celery.semaphore import DurabilitySemaphore
+
+TABLES = {
+    "durability_semaphore_grants",
+    "durability_semaphore_leases",
+    "durability_semaphore_keys",
+    "durability_semaphore_schema",
+}
+
+
+def _tables(engine: sa.Engine) -> set[str]:
+    return {t for t in sa.inspect(engine).get_table_names() if t.startswith("durability_")}
+
+
+def test_metadata_is_importable_for_alembic() -> None:
+    assert set(store.metadata.tables) == TABLES
+    grants = store.metadata.tables["durability_semaphore_grants"]
+    assert {"semaphore", "key", "grant_id", "client_id", "group", "permits", "claimed",
+            "released", "created_at", "claim_deadline", "status"} == set(grants.c.keys())
+
+
+def test_migrate_creates_is_idempotent_and_drops(database_url: str) -> None:
+    engine = store.create_engine(database_url)
+    try:
+        store.migrate(engine)
+        assert _tables(engine) == TABLES
+        store.migrate(engine)  # idempotent
+        with engine.connect() as conn:
+            versions = conn.execute(sa.select(store.schema.schema_version)).all()
+        assert [tuple(v) for v in versions] == [(1, store.SCHEMA_VERSION)]
+        indexes = {ix["name"] for ix in sa.inspect(engine).get_indexes("durability_semaphore_keys")}
+        assert "ix_durability_semaphore_keys_deadline" in indexes
+        DurabilitySemaphore.migrate(engine, None)
+        assert _tables(engine) == set()
+        DurabilitySemaphore.migrate(engine, None)  # dropping nothing is fine too
+    finally:
+        engine.dispose()
+
+
+def test_instance_and_class_forms(database_url: str) -> None:
+    sem = DurabilitySemaphore("schema-forms", database=database_url, limit=1)
+    try:
+        sem.migrate()
+        assert _tables(sem.engine) == TABLES
+        sem.migrate(None)
+        assert _tables(sem.engine) == set()
+        DurabilitySemaphore.migrate(database_url)  # a URL works as well as an Engine
+        assert _tables(sem.engine) == TABLES
+        DurabilitySemaphore.migrate(database_url, None)
+        assert _tables(sem.engine) == set()
+    finally:
+        sem.close()
+
+
+def test_newer_schema_and_bad_target_are_refused(database_url: str) -> None:
+    engine = store.create_engine(database_url)
+    try:
+        store.migrate(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.update(store.schema.schema_version).values(version=99))
+        with pytest.raises(ConfigurationError, match="newer"):
+            store.migrate(engine)
+        with pytest.raises(ConfigurationError, match="target"):
+            store.migrate(engine, 7)
+    finally:
+        engine.dispose()
+
+
+def test_concurrent_migrations_both_succeed(database_url: str) -> None:
+    # Two holders starting at once: the DDL is serialized (advisory lock /
+    # BEGIN IMMEDIATE), so neither trips over the other's CREATE TABLE.
+    errors: list[BaseException] = []
+    engines = [store.create_engine(database_url) for _ in range(2)]
+    barrier = threading.Barrier(2)
+
+    def run(engine: sa.Engine) -> None:
+        try:
+            barrier.wait()
+            store.migrate(engine)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(e,)) for e in engines]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == []
+        assert _tables(engines[0]) == TABLES
+    finally:
+        for e in engines:
+            e.dispose()

@@ -1,0 +1,169 @@
+# Rows <-> KeyState: every field survives a save and a load in a fresh
+# connection, `save` writes only what changed, and the deadline queries.
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from durability_celery import store
+from durability_celery.core.round import Blocked, KeyState
+from durability_celery.core.state import Grant, Lease
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[sa.Engine]:
+    engine = store.create_engine(database_url)
+    store.migrate(engine)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _full_state(semaphore: str = "accounts", key: str = "acct-42") -> KeyState:
+    return KeyState(
+        semaphore=semaphore,
+        key=key,
+        grants=(
+            Grant("g-1", "celery@a/1", "wf-7", 4, 3, 1, 1764450000.125, 1764450010.125),
+            Grant("g-2", "celery@b/2", None, 2, 2, 0, 1764450001.5, 1764450011.5, "expired"),
+        ),
+        leases=(
+            Lease("l-1", "celery@a/1", None, 64, 5, 2, 1764450000.25, 1764450003.75),
+            Lease("l-2", "celery@b/2", "wf-7", 8, 8, 3, 1764450002.0, 1764450004.0,
+                  status="retired", confirmed=True, issued_limit=10, issued_group_limit=6),
+        ),
+        last_round_at=1764450005.0625,
+        rounds=17,
+        limit=10,
+        blocked=(Blocked("wf-7", "group_limit", 8), Blocked(None, "limit", 3)),
+    )
+
+
+def _load_fresh(url_engine: sa.Engine, semaphore: str, key: str) -> KeyState:
+    # A second engine: proves the data was committed, not just visible to us.
+    other = store.create_engine(url_engine.url.render_as_string(hide_password=False))
+    try:
+        with store.transaction(other, write=True) as conn:
+            return store.load(conn, semaphore, key)
+    finally:
+        other.dispose()
+
+
+def test_every_field_round_trips(engine: sa.Engine) -> None:
+    state = _full_state()
+    with store.transaction(engine, write=True) as conn:
+        empty = store.load(conn, state.semaphore, state.key)
+        assert empty == KeyState(state.semaphore, state.key)
+        store.save(conn, empty, state, now=1764450005.5)
+    loaded = _load_fresh(engine, state.semaphore, state.key)
+    assert loaded == state
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(store.keys)).mappings().one()
+    assert row["next_claim_deadline"] == state.next_claim_deadline == 1764450010.125
+    assert row["updated_at"] == 1764450005.5
+
+
+def test_changes_inserts_and_deletes_round_trip(engine: sa.Engine) -> None:
+    state = _full_state()
+    with store.transaction(engine, write=True) as conn:
+        store.save(conn, store.load(conn, state.semaphore, state.key), state)
+    g1, _g2 = state.grants
+    l1, _l2 = state.leases
+    changed = replace(
+        state,
+        grants=(g1.report(4, 2),
+                Grant("g-3", "celery@c/3", "wf-9", 1, 0, 0, 1764450009.0, 1764450019.0)),
+        leases=(l1.report(6, 6, stopped=True, now=1764450009.0),),
+        rounds=18, limit=None, blocked=(), last_round_at=1764450009.0,
+    )
+    with store.transaction(engine, write=True) as conn:
+        store.save(conn, store.load(conn, state.semaphore, state.key), changed)
+    assert _load_fresh(engine, state.semaphore, state.key) == changed
+    with engine.connect() as conn:
+        ids = sorted(conn.execute(sa.select(store.grants.c.grant_id)).scalars())
+        lease_ids = sorted(conn.execute(sa.select(store.leases.c.lease_id)).scalars())
+    assert ids == ["g-1", "g-3"] and lease_ids == ["l-1"]
+
+
+def _count_statements(engine: sa.Engine) -> list[str]:
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement.split()[0].upper())
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    return seen
+
+
+def test_save_writes_only_what_changed(engine: sa.Engine) -> None:
+    state = _full_state()
+    with store.transaction(engine, write=True) as conn:
+        store.save(conn, store.load(conn, state.semaphore, state.key), state)
+    seen = _count_statements(engine)
+    with store.transaction(engine, write=True) as conn:
+        loaded = store.load(conn, state.semaphore, state.key)
+        seen.clear()
+        store.save(conn, loaded, loaded)
+        assert seen == []  # nothing changed: nothing written
+        one_report = replace(loaded, grants=(loaded.grants[0].report(4, 3), loaded.grants[1]))
+        store.save(conn, loaded, one_report)
+        assert seen == ["UPDATE", "UPDATE"]  # that grant, then the key row
+
+
+def test_states_of_different_keys_and_semaphores_are_separate(engine: sa.Engine) -> None:
+    a = _full_state("accounts", "k1")
+    # The same ids under another key must not collide (ids are per key).
+    b = replace(_full_state("accounts", "k2"), rounds=3)
+    c = replace(_full_state("other", "k1"), rounds=4)
+    with store.transaction(engine, write=True) as conn:
+        for s in (a, b, c):
+            store.save(conn, store.load(conn, s.semaphore, s.key), s)
+    for s in (a, b, c):
+        assert _load_fresh(engine, s.semaphore, s.key) == s
+    with store.transaction(engine, write=False) as conn:
+        assert store.all_keys(conn) == [("accounts", "k1"), ("accounts", "k2"), ("other", "k1")]
+        assert store.all_keys(conn, "other") == [("other", "k1")]
+        assert store.read(conn, "accounts", "missing") is None
+
+
+def test_deadline_queries(engine: sa.Engine) -> None:
+    def with_deadline(key: str, deadline: float | None) -> KeyState:
+        grants = () if deadline is None else (
+            Grant(f"g-{key}", "c", None, 2, 1, 0, deadline - 10, deadline),)
+        return KeyState("accounts", key, grants=grants)
+
+    states = [with_deadline("a", 30.0), with_deadline("b", 10.0), with_deadline("c", None),
+              with_deadline("d", 20.0)]
+    with store.transaction(engine, write=True) as conn:
+        for s in states:
+            store.save(conn, store.load(conn, s.semaphore, s.key), s)
+    with store.transaction(engine, write=False) as conn:
+        assert store.deadlines(conn, "accounts") == [("b", 10.0), ("d", 20.0), ("a", 30.0)]
+        assert store.deadlines(conn, "accounts", due_by=20.0) == [("b", 10.0), ("d", 20.0)]
+        assert store.deadlines(conn, "other") == []
+
+
+def test_sqlite_runs_in_wal_mode(sqlite_url: str) -> None:
+    engine = store.create_engine(sqlite_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+    finally:
+        engine.dispose()
+
+
+def test_postgresql_url_uses_psycopg(postgres_url: str) -> None:
+    plain = postgres_url.replace("postgresql+psycopg://", "postgresql://")
+    engine = store.create_engine(plain)
+    try:
+        assert engine.dialect.driver == "psycopg"
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT 1").scalar() == 1
+    finally:
+        engine.dispose()
