@@ -179,7 +179,8 @@ class SemaphoreClient:
             demand = bool(self._demand(key, now))
             queued = {group for (k, group) in self._queues if k == key}
             yield key, ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
-                                     demand=demand, queued_groups=queued)
+                                     demand=demand, queued_groups=queued,
+                                     stopping=self._stopped)
 
     def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
         """Per group: queued items minus the claimable and drawable permits already held."""

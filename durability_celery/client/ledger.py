@@ -252,12 +252,17 @@ class KeyLedger:
     # -- timing --------------------------------------------------------------
 
     def due_at(self, now: float, margin: float, *, timeout: float, demand: bool,
-               queued_groups: set[str | None]) -> float | None:
-        """Earliest local time this key should send a message (<= now: due), None: never."""
+               queued_groups: set[str | None], stopping: bool) -> float | None:
+        """Earliest local time this key should send a message (<= now: due), None: never.
+
+        Reports wait for `next_request_at` unless others are waiting (the last
+        reply was contended or blocked) or the client is shutting down.
+        """
         if self.in_flight is not None:
             return self.in_flight.sent_at + timeout
         gate = max(self.next_request_at, self.backoff_until)
-        prompt = self.backoff_until if (self.contended or self.blocked) else gate
+        urgent = self.contended or bool(self.blocked) or stopping
+        prompt = self.backoff_until if urgent else gate
         times = [gate] if demand else []
         for g in self.grants.values():
             if g.unreported():
@@ -268,7 +273,9 @@ class KeyLedger:
             if g.group in queued_groups and g.claimable(now, margin):
                 times.append(max(gate, g.claim_deadline - margin))  # demand rises then
         for le in self.leases.values():
-            if le.unreported():
+            if le.stopped and not le.stop_acked:
+                times.append(self.backoff_until)  # undrawn permits go back at once
+            elif le.unreported():
                 times.append(prompt)
             elif le.stopped and le.in_use == 0:
                 times.append(gate)  # confirmed and idle, but not yet settled: ask again

@@ -1,0 +1,372 @@
+# SemaphoreClient, talking to the holder: next_request_at, one message in
+# flight, request_timeout, backoff after errors, lease heartbeats at half ttl,
+# contended and blocked replies, retired/settled leases, expired/not_found
+# grants, adoption from a reply, late replies, stop() and settled().
+from __future__ import annotations
+
+import pytest
+
+from durability_celery.client import SemaphoreClient
+
+from .helpers import (
+    KEY,
+    FakeClock,
+    demand,
+    error,
+    grant,
+    grant_reports,
+    lease,
+    lease_reports,
+    make_client,
+    reply,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _client_with_lease(clock: FakeClock, *, permits: int = 4, ttl: float = 100.0,
+                       group: str | None = None) -> SemaphoreClient:
+    client = make_client(clock)
+    client.enqueue(KEY, group, "t0", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", group=group, permits=permits, expires_at=clock.now + ttl)]))
+    [permit] = client.admit()
+    assert permit.source == "lease"
+    return client
+
+
+def test_next_request_at_is_honoured_for_demand() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 5, blocked=[
+        {"group": None, "reason": "limit", "queued": 1}]))
+    assert client.due() == []
+    assert client.next_due_at() == clock.now + 5
+    clock.advance(4.9)
+    assert client.due() == []
+    clock.advance(0.1)
+    assert client.due() == [KEY]
+
+
+def test_next_request_at_is_relative_to_the_round_so_clock_skew_cannot_stall() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    skew = 3600.0  # the holder's clock runs an hour ahead
+    client.on_response(KEY, reply(clock.now + skew, next_request_at=clock.now + skew + 2))
+    assert client.next_due_at() == clock.now + 2
+
+
+def test_request_timeout_fails_the_message_and_backs_off() -> None:
+    clock = FakeClock()
+    client = make_client(clock, request_timeout=5.0)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    clock.advance(4.9)
+    assert client.due() == []
+    clock.advance(0.1)
+    assert client.due() == []  # timed out: now backing off, not resent at once
+    assert client.last_error(KEY) == "request_timeout"
+    assert client.next_due_at() == clock.now + 0.5
+    clock.advance(0.5)
+    assert client.due() == [KEY]
+
+
+def test_error_replies_keep_state_and_back_off_exponentially() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=2, claim_deadline=clock.now + 30)]))
+    client.admit()
+    waits = []
+    for _ in range(4):
+        clock.advance(10)
+        client.enqueue(KEY, None, f"x{clock.now}", enqueued_at=clock.now)
+        client.enqueue(KEY, None, f"y{clock.now}", enqueued_at=clock.now)
+        assert client.due() == [KEY]
+        assert grant_reports(client.message(KEY)) == {"g1": (1, 0)}
+        client.on_response(KEY, error("unavailable"))
+        assert client.last_error(KEY) == "unavailable: database is down"
+        waits.append(client.next_due_at() - clock.now)  # type: ignore[operator]
+    assert waits == [0.5, 1.0, 2.0, 4.0]
+    assert client.running() == {KEY: {None: 1}}  # nothing was lost
+    clock.advance(4.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now))
+    assert client.last_error(KEY) is None
+    client.on_response(KEY, error("invalid_message"))
+    assert client.next_due_at() == clock.now + 0.5  # a good reply reset the backoff
+
+
+def test_a_malformed_reply_is_a_failure_and_changes_nothing() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    bad = reply(clock.now, grants=[grant("g1", permits=-1, claim_deadline=clock.now + 10)])
+    client.on_response(KEY, bad)
+    assert client.admit() == []
+    assert (client.last_error(KEY) or "").startswith("malformed_reply")
+    client.on_response(KEY, reply(clock.now, key="another-key"))
+    assert client.admit() == []
+
+
+def test_heartbeat_at_half_the_lease_lifetime_while_permits_are_in_use() -> None:
+    clock = FakeClock()
+    client = _client_with_lease(clock, ttl=100.0)
+    clock.advance(2.0)
+    assert client.due() == [KEY]  # the draw is unreported
+    sent_at = clock.now
+    client.message(KEY)
+    clock.advance(1.0)  # the round runs a second after the send
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, expires_at=clock.now + 100)]))
+    # Anchored at the send, not the reply: the heartbeat falls early, never late.
+    assert client.next_due_at() == sent_at + 50.0
+    clock.now = sent_at + 49.9
+    assert client.due() == []
+    clock.now = sent_at + 50.0
+    assert client.due() == [KEY]
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 0, False)}
+
+
+def test_no_heartbeat_for_a_lease_with_no_permit_in_use() -> None:
+    clock = FakeClock()
+    client = _client_with_lease(clock, ttl=100.0)
+    client.release("t0")
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, released=1, expires_at=clock.now + 100)]))
+    assert client.next_due_at() is None
+    clock.advance(200)
+    assert client.due() == []
+
+
+def test_unreported_releases_wait_for_next_request_at_unless_contended_or_blocked() -> None:
+    for flags, prompt in [({}, False), ({"contended": True}, True),
+                          ({"blocked": [{"group": "x", "reason": "limit", "queued": 3}]}, True)]:
+        clock = FakeClock()
+        client = make_client(clock)
+        client.enqueue(KEY, "wf", "t1", enqueued_at=1.0)
+        client.message(KEY)
+        client.on_response(KEY, reply(clock.now, grants=[
+            grant("g1", group="wf", permits=1, claim_deadline=clock.now + 10)]))
+        client.admit()
+        client.message(KEY)
+        client.on_response(KEY, reply(clock.now, grants=[
+            grant("g1", group="wf", permits=1, claimed=1, claim_deadline=clock.now + 10)],
+            **flags))  # type: ignore[arg-type]
+        clock.advance(0.5)
+        client.release("t1")
+        assert client.due() == ([KEY] if prompt else []), flags
+        clock.advance(1.5)  # next_request_at
+        assert client.due() == [KEY]
+
+
+def test_unreported_claims_go_out_before_the_claim_deadline() -> None:
+    clock = FakeClock()
+    client = make_client(clock, claim_margin=1.0)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 60, grants=[
+        grant("g1", permits=2, claim_deadline=clock.now + 10)]))
+    client.admit()
+    assert client.next_due_at() == clock.now + 9.0  # claim_deadline - margin, not +60
+
+
+def test_contended_stops_idle_leases_and_reports_them_promptly() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, "busy", "t1", enqueued_at=1.0)
+    client.message(KEY)
+    leases = [lease("idle", group="quiet", permits=8, expires_at=clock.now + 100),
+              lease("used", group="busy", permits=8, expires_at=clock.now + 100)]
+    client.on_response(KEY, reply(clock.now, leases=leases))
+    client.admit()
+    client.enqueue(KEY, "busy", "t2", enqueued_at=2.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=leases, contended=True))
+    assert client.due() == [KEY]  # before next_request_at
+    assert lease_reports(client.message(KEY)) == {
+        "idle": (0, 0, True), "used": (1, 0, False)}
+    assert [p.source_id for p in client.admit()] == ["used"]
+    client.enqueue(KEY, "quiet", "q1", enqueued_at=3.0)
+    assert client.admit() == []  # the stopped lease draws no more
+
+
+def test_retired_lease_stops_drawing_and_is_reported_stopped_until_settled() -> None:
+    clock = FakeClock()
+    client = _client_with_lease(clock, permits=4)
+    client.enqueue(KEY, None, "t1", enqueued_at=2.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=0, expires_at=clock.now + 100, status="retired")]))
+    assert client.admit() == []
+    assert demand(client.message(KEY)) == {None: (1, 2.0)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, expires_at=clock.now + 100, status="retired")]))
+    # It stays reported with stopped=true while its permit is in use ...
+    clock.advance(5)
+    client.release("t0")
+    assert client.due() == [KEY]
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 1, True)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, released=1, expires_at=None, status="settled")]))
+    # ... and is forgotten once settled.
+    assert lease_reports(client.message(KEY)) == {}
+
+
+def test_a_stopped_idle_lease_is_asked_about_again_until_settled() -> None:
+    clock = FakeClock()
+    client = _client_with_lease(clock)
+    client.release("t0")
+    client.stop()
+    client.message(KEY)
+    # A reordered, older view: still retired, not settled.
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, released=1, expires_at=clock.now + 100,
+              status="retired")]))
+    assert not client.settled()
+    assert client.next_due_at() == clock.now + 2.0
+    clock.advance(2.0)
+    assert client.due() == [KEY]
+
+
+def test_expired_grant_shrinks_and_not_found_grant_is_forgotten() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i in range(2):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=5, claim_deadline=clock.now + 10),
+        grant("g2", permits=5, claim_deadline=clock.now + 20)]))
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=0, claim_deadline=clock.now + 10, status="expired"),
+        grant("g2", permits=5, claim_deadline=clock.now + 20)]))
+    permits = client.admit()
+    assert {p.source_id for p in permits} == {"g2"}
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g2", permits=5, claimed=0, status="not_found")]))
+    assert grant_reports(client.message(KEY)) == {}
+    assert client.release("t0")  # its item still ends normally
+
+
+def test_unknown_grants_and_leases_in_a_reply_are_adopted() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i in range(3):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    client.message(KEY)
+    client.on_failure(KEY)  # the reply that carried the permits was lost
+    clock.advance(1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g-lost", permits=1, claim_deadline=clock.now + 9)],
+        leases=[lease("l-lost", permits=2, expires_at=clock.now + 99)]))
+    assert sorted(p.source_id for p in client.admit()) == ["g-lost", "l-lost", "l-lost"]
+    message = client.message(KEY)
+    assert grant_reports(message) == {"g-lost": (1, 0)}
+    assert lease_reports(message) == {"l-lost": (2, 0, False)}
+
+
+def test_late_replies_never_resurrect_what_was_forgotten_or_stopped() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    old = reply(clock.now, grants=[grant("g1", permits=1, claim_deadline=clock.now + 10)],
+                leases=[lease("l1", permits=1, expires_at=clock.now + 100)])
+    client.on_response(KEY, old)
+    [permit] = client.admit()
+    assert permit.source == "lease"
+    client.release("t1")
+    client.stop()
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now + 1, grants=[
+        grant("g1", permits=1, status="not_found")], leases=[
+        lease("l1", permits=1, drawn=1, released=1, status="settled")]))
+    assert client.settled()
+    client.on_response(KEY, old)  # duplicated and reordered
+    assert client.settled()
+    client.enqueue(KEY, None, "t2", enqueued_at=2.0)
+    assert client.admit() == []
+
+
+def test_stop_reports_every_lease_stopped_and_admits_nothing() -> None:
+    clock = FakeClock()
+    client = _client_with_lease(clock, permits=4)
+    client.enqueue(KEY, None, "t1", enqueued_at=2.0)
+    client.stop()
+    assert client.stopped
+    assert client.admit() == []
+    assert client.due() == [KEY]  # the stop must be reported even before next_request_at
+    message = client.message(KEY)
+    assert message["type"] == "sync" and "demand" not in message
+    assert lease_reports(message) == {"l1": (1, 0, True)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, expires_at=clock.now + 100, status="retired")]))
+    assert client.due() == []  # stop acknowledged; nothing new until the item ends
+    client.release("t0")
+    assert client.cancel("t1")
+    clock.advance(2.0)
+    assert client.due() == [KEY]
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 1, True)}
+    assert not client.settled()
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, released=1, status="settled")]))
+    assert client.settled()
+    assert client.next_due_at() is None
+
+
+def test_settled_needs_an_empty_queue_and_done_grants() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    assert client.settled()
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    assert not client.settled()
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=2, claim_deadline=clock.now + 10)]))
+    client.admit()
+    client.release("t1")
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=2, claimed=1, released=1, claim_deadline=clock.now + 10)]))
+    assert not client.settled()  # one permit is still claimable
+    clock.advance(9.0)  # its claim window (deadline - margin) has closed
+    assert client.settled()
+
+
+def test_blocked_reason_comes_from_the_last_reply() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, "wf", "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, blocked=[
+        {"group": "wf", "reason": "group_limit", "queued": 1}]))
+    assert client.blocked_reason(KEY, "wf") == "group_limit"
+    assert client.blocked_reason(KEY, None) is None
+    assert client.blocked_reason("other", "wf") is None
+    client.on_response(KEY, reply(clock.now - 5, blocked=[]))  # an older round: ignored
+    assert client.blocked_reason(KEY, "wf") == "group_limit"
+    client.on_response(KEY, reply(clock.now + 1, blocked=[]))
+    assert client.blocked_reason(KEY, "wf") is None
+
+
+def test_client_without_lease_support_never_draws_from_a_lease() -> None:
+    clock = FakeClock()
+    client = make_client(clock, supports_leases=False)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    message = client.message(KEY)
+    assert message["supports_leases"] is False
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, expires_at=clock.now + 100)]))
+    assert client.admit() == []
+    assert lease_reports(client.message(KEY)) == {"l1": (0, 0, True)}
