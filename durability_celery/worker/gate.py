@@ -1,0 +1,314 @@
+# The gate: one worker's client queue. Admitted-type requests wait here, in the
+# main process, unacked and outside the pool, until a SemaphoreClient gives them
+# a permit; then they go to the pool, and their ending releases the permit.
+# Rules: a permit is taken only while the pool has a free slot (never spent
+# waiting); each admitted task releases exactly once (by task id, idempotent);
+# one lock serializes every SemaphoreClient call, since pool threads release.
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery.worker import state as worker_state
+
+from ..client import Permit, SemaphoreClient
+from ..errors import DurabilityError
+from .request import instrument
+from .task import (
+    HEADER_ENQUEUED_AT,
+    HEADER_GROUP,
+    HEADER_KEY,
+    HEADER_SEMAPHORE,
+    AdmittedTask,
+)
+
+logger = logging.getLogger("durability_celery.worker")
+
+
+@dataclass
+class Held:
+    """A request waiting in the client queue for a permit."""
+
+    request: Any
+    semaphore: str
+    key: str
+    group: str | None
+    enqueued_at: float
+    held_since: float
+    raised_qos: bool
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A request or sync message to publish to the holder of (semaphore, key)."""
+
+    semaphore: str
+    key: str
+    correlation_id: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the gate needs from the Celery consumer (all called with the lock held)."""
+
+    handoff: Callable[[Any], None]
+    """Give an admitted request to the pool (the real `on_task_request`)."""
+    pool_size: Callable[[], int]
+    busy: Callable[[Iterable[str]], int]
+    """Pool slots taken by work other than the admitted task ids given."""
+    qos_increment: Callable[[], None]
+    qos_decrement: Callable[[], None]
+    wake: Callable[[], None]
+    """Ask the event loop to run `pump` soon (callable from any thread)."""
+
+
+@dataclass
+class _InFlight:
+    correlation_id: str
+    sent_at: float
+
+
+@dataclass
+class GateState:
+    held: dict[str, Held] = field(default_factory=dict)
+    running: dict[str, str] = field(default_factory=dict)
+    """Admitted, unreleased task id -> semaphore name."""
+    in_flight: dict[tuple[str, str], _InFlight] = field(default_factory=dict)
+    raised: int = 0
+
+
+class Gate:
+    """The client queue of one worker incarnation, for every configured semaphore."""
+
+    def __init__(self, clients: Mapping[str, SemaphoreClient], hooks: Hooks, *,
+                 max_held: int, hold_deadline: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.clients = dict(clients)
+        self.hooks = hooks
+        self.max_held = max_held
+        self.hold_deadline = hold_deadline
+        self.clock = clock
+        self.state = GateState()
+        self.lock = threading.RLock()
+        self._turn = 0
+
+    # -- requests arriving (event-loop thread) -------------------------------
+
+    def submit(self, request: Any) -> None:
+        """Hold an admitted-type request (already reserved) until it gets a permit."""
+        try:
+            semaphore, key, group, enqueued_at = self._admission_of(request)
+        except DurabilityError as exc:
+            self._refuse(request, exc)
+            return
+        with self.lock:
+            state = self.state
+            previous = state.held.pop(request.id, None)
+            if previous is not None:
+                # Redelivered while held: keep the newer delivery (the broker's
+                # unacked record now belongs to it) and restart its hold clock.
+                worker_state.reserved_requests.discard(previous.request)
+                previous.request, previous.held_since = request, self.clock()
+                state.held[request.id] = previous
+                return
+            if request.id in state.running:
+                logger.warning("durability: duplicate delivery of running task %s dropped",
+                               request.id)
+                request.acknowledge()
+                worker_state.reserved_requests.discard(request)
+                return
+            self.clients[semaphore].enqueue(key, group, request.id, enqueued_at=enqueued_at)
+            raised = state.raised < self.max_held
+            if raised:
+                # One more prefetch slot per held message keeps other work flowing;
+                # past max_held the broker's prefetch limit pushes work elsewhere.
+                state.raised += 1
+                self.hooks.qos_increment()
+            state.held[request.id] = Held(request, semaphore, key, group, enqueued_at,
+                                          self.clock(), raised)
+        self.hooks.wake()
+
+    def _admission_of(self, request: Any) -> tuple[str, str, str | None, float]:
+        headers = request.request_dict
+        semaphore = headers.get(HEADER_SEMAPHORE)
+        key = headers.get(HEADER_KEY)
+        enqueued_at = headers.get(HEADER_ENQUEUED_AT)
+        task = request.task
+        admission = task.admission() if isinstance(task, AdmittedTask) else None
+        if not isinstance(semaphore, str) or not isinstance(key, str):
+            # Published without our headers (send_task by name from a producer
+            # that lacks the task): recompute from the arguments.
+            if admission is None:
+                raise DurabilityError(f"task {request.name} has no admission settings")
+            semaphore = admission.semaphore
+            key = admission.key_of(request.args, request.kwargs)
+            group = admission.group_of(request.args, request.kwargs)
+        else:
+            group = headers.get(HEADER_GROUP)
+        if semaphore not in self.clients:
+            raise DurabilityError(f"unknown semaphore {semaphore!r} in task {request.id}")
+        if group is not None and not isinstance(group, str):
+            raise DurabilityError(f"group header of task {request.id} is not a str")
+        if not isinstance(enqueued_at, int | float) or isinstance(enqueued_at, bool):
+            enqueued_at = self.clock()
+        return semaphore, key, group, float(enqueued_at)
+
+    def _refuse(self, request: Any, exc: Exception) -> None:
+        """A request that can never be admitted: fail it loudly instead of running it ungated."""
+        logger.error("durability: refusing task %s[%s]: %s", request.name, request.id, exc)
+        request.task.backend.mark_as_failure(request.id, exc, request=request._context,
+                                             store_result=request.store_errors)
+        request.reject(requeue=False)
+        worker_state.task_ready(request)
+
+    # -- the pump (event-loop thread) ------------------------------------------
+
+    def pump(self) -> list[Outgoing]:
+        """Drop revoked and overdue held requests, admit what permits allow, collect messages."""
+        with self.lock:
+            now = self.clock()
+            self._hand_back_overdue(now)
+            self._drop_revoked()
+            self._admit()
+            return self._collect_due(now)
+
+    def _hand_back_overdue(self, now: float) -> None:
+        held = self.state.held
+        for task_id in list(held):
+            entry = held[task_id]
+            if entry.held_since + self.hold_deadline > now:
+                break  # held is in held_since order
+            # Before the broker would redeliver it anyway (Redis visibility_timeout,
+            # RabbitMQ consumer_timeout). Its enqueued-at header travels with it, so
+            # when it comes back its demand is as old as before.
+            self._unhold(task_id)
+            logger.info("durability: handing task %s back to the broker after %.0fs held",
+                        task_id, now - entry.held_since)
+            entry.request.reject(requeue=True)
+            worker_state.task_ready(entry.request)
+
+    def _drop_revoked(self) -> None:
+        revoked = worker_state.revoked
+        for task_id, entry in list(self.state.held.items()):
+            request = entry.request
+            if (task_id in revoked or request.expires) and request.revoked():
+                self._unhold(task_id)  # revoked() acked it and marked it revoked
+
+    def _unhold(self, task_id: str) -> Held:
+        entry = self.state.held.pop(task_id)
+        self.clients[entry.semaphore].cancel(task_id)
+        if entry.raised_qos:
+            self.state.raised -= 1
+            self.hooks.qos_decrement()
+        return entry
+
+    def _admit(self) -> None:
+        if not self.state.held:
+            return
+        free = self.hooks.pool_size() - len(self.state.running)
+        free -= self.hooks.busy(self.state.running)
+        names = list(self.clients)
+        self._turn = (self._turn + 1) % len(names)
+        for name in names[self._turn:] + names[:self._turn]:
+            if free <= 0:
+                return
+            for permit in self.clients[name].admit(limit=free):
+                free -= self._start(name, permit)
+
+    def _start(self, semaphore: str, permit: Permit) -> int:
+        entry = self.state.held.get(permit.item_id)
+        if entry is None:  # cannot happen: every queued item is held
+            self.clients[semaphore].release(permit.item_id)
+            return 0
+        del self.state.held[permit.item_id]
+        if entry.raised_qos:
+            self.state.raised -= 1
+            self.hooks.qos_decrement()
+        request = entry.request
+        if request.revoked():
+            self.clients[semaphore].release(permit.item_id)
+            return 0
+        self.state.running[request.id] = semaphore
+        instrument(request, self.release)
+        self.hooks.handoff(request)
+        return 1
+
+    # -- releases (any thread) ---------------------------------------------------
+
+    def release(self, task_id: str) -> None:
+        """An admitted task ended; repeated calls for one task id do nothing."""
+        with self.lock:
+            semaphore = self.state.running.pop(task_id, None)
+            if semaphore is None:
+                return
+            self.clients[semaphore].release(task_id)
+        self.hooks.wake()
+
+    # -- the holder ------------------------------------------------------------
+
+    def _collect_due(self, now: float) -> list[Outgoing]:
+        out = []
+        for name, client in self.clients.items():
+            for key in client.due():
+                correlation_id = uuid.uuid4().hex
+                body = client.message(key)
+                # Only the newest message per key is awaited; a late reply to an
+                # older one is dropped (the next reply lists every grant anyway).
+                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now)
+                out.append(Outgoing(name, key, correlation_id, body))
+        return out
+
+    def failed(self, message: Outgoing) -> None:
+        """Publishing `message` failed: the client backs off and asks again."""
+        with self.lock:
+            waiting = self.state.in_flight.get((message.semaphore, message.key))
+            if waiting is not None and waiting.correlation_id == message.correlation_id:
+                del self.state.in_flight[(message.semaphore, message.key)]
+                self.clients[message.semaphore].on_failure(message.key)
+
+    def on_reply(self, correlation_id: str | None, body: object) -> bool:
+        """A reply from a holder; False if it answers no message we still await."""
+        with self.lock:
+            match = next((sk for sk, f in self.state.in_flight.items()
+                          if f.correlation_id == correlation_id), None)
+            if match is None:
+                return False
+            del self.state.in_flight[match]
+            semaphore, key = match
+            client = self.clients[semaphore]
+            if isinstance(body, dict):
+                client.on_response(key, body)
+            else:
+                client.on_failure(key)
+        self.hooks.wake()
+        return True
+
+    # -- shutdown and visibility ---------------------------------------------------
+
+    def forget_held(self) -> int:
+        """The consumer stopped: held messages go back to the broker with the channel."""
+        with self.lock:
+            count = len(self.state.held)
+            for task_id, entry in list(self.state.held.items()):
+                self.clients[entry.semaphore].cancel(task_id)
+                worker_state.reserved_requests.discard(entry.request)
+            self.state.held.clear()
+            self.state.raised = 0
+            self.state.in_flight.clear()
+            return count
+
+    def stop(self) -> None:
+        """Warm shutdown: stop every lease so the final reports return undrawn permits."""
+        with self.lock:
+            for client in self.clients.values():
+                client.stop()
+
+    def settled(self) -> bool:
+        with self.lock:
+            return not self.state.running and all(c.settled() for c in self.clients.values())

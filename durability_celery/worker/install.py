@@ -1,0 +1,104 @@
+# Wires the client side into a Celery app: the gate bootstep for workers, the
+# before_task_publish hook that stamps key, group and enqueue time on admitted
+# task messages, and the final report on warm shutdown. Rule: each hook is a
+# few lines that turn one Celery event into one call on the gate or task.
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from typing import Any
+
+from celery import signals
+from kombu.messaging import Consumer, Producer
+
+from ..app import Durability
+from ..errors import DurabilityError
+from . import visibility  # noqa: F401  (registers the durability_held inspect command)
+from .step import GateStep
+from .task import HEADER_SEMAPHORE, AdmittedTask
+
+logger = logging.getLogger("durability_celery.worker")
+
+FINAL_REPORT_LIMIT = 10.0
+"""Longest a warm shutdown waits for the holder to settle this worker's reports."""
+
+_apps: weakref.WeakSet[Any] = weakref.WeakSet()
+_steps: weakref.WeakSet[GateStep] = weakref.WeakSet()
+
+
+def install(durability: Durability) -> None:
+    """Add the gate to `durability.app`'s workers and the publish hook to its producers."""
+    app = durability.app
+    step = type("GateStep", (GateStep,), {"durability": durability, "__module__": __name__})
+    app.steps["consumer"].add(step)
+    _apps.add(app)
+    signals.before_task_publish.connect(_stamp_headers, weak=False,
+                                        dispatch_uid="durability_celery.stamp_headers")
+    signals.worker_shutdown.connect(_final_reports, weak=False,
+                                    dispatch_uid="durability_celery.final_reports")
+
+
+def register_step(step: GateStep) -> None:
+    _steps.add(step)
+
+
+def _stamp_headers(sender: Any = None, body: Any = None, headers: Any = None,
+                   **_: Any) -> None:
+    """Headers for admitted tasks published by name (send_task): apply_async did the rest."""
+    if not isinstance(headers, dict) or HEADER_SEMAPHORE in headers:
+        return
+    for app in list(_apps):
+        task = app._tasks.get(sender)
+        if isinstance(task, AdmittedTask) and isinstance(body, tuple | list) and len(body) >= 2:
+            try:
+                headers.update(task.admission().headers(body[0] or (), body[1] or {}))
+            except DurabilityError as exc:
+                # Signal errors never reach the caller; the worker refuses the task.
+                logger.warning("durability: task %s published without a valid key: %s",
+                               sender, exc)
+            return
+
+
+def _final_reports(**_: Any) -> None:
+    """Warm shutdown, after the pool drained: stop leases and report everything."""
+    for step in list(_steps):
+        try:
+            final_report(step, limit=FINAL_REPORT_LIMIT)
+        except Exception:
+            logger.exception("durability: final report of %s failed", step.client_id)
+
+
+def final_report(step: GateStep, *, limit: float) -> bool:
+    """Report until the holder settled every grant and lease, or `limit` seconds passed."""
+    gate = step.gate
+    gate.stop()
+    deadline = time.monotonic() + limit
+    with step.c.app.connection_for_write() as connection:
+        channel = connection.channel()
+        producer: Any = Producer(channel, serializer="json")  # type: ignore[no-untyped-call]
+
+        def on_reply(body: Any, message: Any) -> None:
+            gate.on_reply(message.properties.get("correlation_id"), body)
+
+        reply_consumer = Consumer(  # type: ignore[no-untyped-call]
+            channel, queues=[step.reply_queue], callbacks=[on_reply], no_ack=True,
+            accept=["json"])
+        with reply_consumer:
+            while not gate.settled() and time.monotonic() < deadline:
+                for message in gate.pump():
+                    producer.publish(
+                        message.body, exchange="",
+                        routing_key=step.durability.queue_for(message.semaphore, message.key),
+                        reply_to=step.reply_queue.name,
+                        correlation_id=message.correlation_id, serializer="json")
+                with contextlib.suppress(TimeoutError):
+                    connection.drain_events(timeout=0.1)
+    settled = gate.settled()
+    if settled:
+        logger.info("durability: client %s settled its reports", step.client_id)
+    else:
+        logger.warning("durability: client %s exits with unsettled reports; the holder "
+                       "retires its leases after their ttl", step.client_id)
+    return settled

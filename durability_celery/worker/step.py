@@ -1,0 +1,178 @@
+# The consumer bootstep that puts the gate into a Celery worker: builds one
+# SemaphoreClient per semaphore under a fresh client id, consumes the worker's
+# reply queue, publishes request/sync messages to the holder queues, and runs
+# the gate's pump on the event loop's timer. Rule: everything that touches the
+# broker here runs in the event-loop thread; pool threads only release.
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from celery import bootsteps
+from celery.concurrency.solo import TaskPool as SoloPool
+from celery.worker import state as worker_state
+from kombu.messaging import Consumer, Producer
+
+from ..app import Durability
+from ..client import SemaphoreClient
+from ..holder.queues import reply_queue_declaration, safe_queue_part
+from ..routing import reply_queue
+from .gate import Gate, Hooks, Outgoing
+from .visibility import log_summary
+
+logger = logging.getLogger("durability_celery.worker")
+
+PUMP_INTERVAL = 0.05
+"""Seconds between pumps when nothing wakes the gate earlier."""
+SUMMARY_INTERVAL = 30.0
+_PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
+                  "interval_max": 0.2}
+
+# Most brokers redeliver an unacked message after a while: Redis after its
+# visibility_timeout (even to a live worker), RabbitMQ closes the channel past
+# consumer_timeout (30 min by default). Hand held messages back well before.
+DEFAULT_REDIS_VISIBILITY = 3600.0
+DEFAULT_HOLD_DEADLINE = 900.0
+
+
+def default_hold_deadline(app: Any, driver_type: str) -> float:
+    """Half the broker's redelivery limit, at most 15 minutes."""
+    if driver_type == "redis":
+        options = app.conf.broker_transport_options or {}
+        visibility = float(options.get("visibility_timeout", DEFAULT_REDIS_VISIBILITY))
+        return max(1.0, min(visibility / 2, DEFAULT_HOLD_DEADLINE))
+    return DEFAULT_HOLD_DEADLINE
+
+
+class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
+    """Holds admitted-type task messages in the worker's main process until permitted."""
+
+    name = "durability_celery.gate"
+    requires = ("celery.worker.consumer:Connection", "celery.worker.consumer.tasks:Tasks")
+    durability: Durability  # set on the subclass `install` makes
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        settings = self.durability.settings
+        # A new id per start: a restarted worker is a new client and never
+        # inherits (or corrupts) its predecessor's grants and leases.
+        self.client_id = f"{c.hostname}/{secrets.token_hex(6)}"
+        self.c = c
+        self.clients = {
+            name: SemaphoreClient(name, client_id=self.client_id,
+                                  supports_leases=settings.supports_leases,
+                                  claim_margin=settings.claim_margin,
+                                  request_timeout=settings.request_timeout)
+            for name in self.durability.semaphores
+        }
+        self.reply_queue = reply_queue_declaration(
+            reply_queue(settings.queue_prefix, safe_queue_part(self.client_id)),
+            expires=settings.reply_expires)
+        self.hooks = self._hooks(c)
+        # Both are final in get_consumers, once the pool and the broker are known.
+        self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or 4,
+                         hold_deadline=settings.hold_deadline or DEFAULT_HOLD_DEADLINE)
+        self.producer: Any = None
+        self._timers: list[Any] = []
+        self._wake_pending = False
+        # The strategy of AdmittedTask finds the gate here (strategy.py).
+        c.durability_gate = self.gate
+        c.durability_step = self
+        from .install import register_step  # install imports this module
+
+        register_step(self)
+
+    def _hooks(self, c: Any) -> Hooks:
+        real_on_task_request = c.on_task_request
+
+        def handoff(request: Any) -> None:
+            # solo runs the task inline: go through the loop so the pump (and the
+            # reply it may be handling) finishes first.
+            if isinstance(c.pool, SoloPool):
+                c.call_soon(real_on_task_request, request)
+            else:
+                real_on_task_request(request)
+
+        def pool_size() -> int:
+            return int(getattr(c.pool, "num_processes", 0) or c.controller.concurrency or 1)
+
+        def busy(admitted: Any) -> int:
+            return sum(1 for r in worker_state.active_requests if r.id not in admitted)
+
+        return Hooks(handoff=handoff, pool_size=pool_size, busy=busy,
+                     qos_increment=lambda: c.qos.increment_eventually(),
+                     qos_decrement=lambda: c.qos.decrement_eventually(),
+                     wake=self._wake)
+
+    # -- bootstep ----------------------------------------------------------------
+
+    def get_consumers(self, channel: Any) -> list[Any]:
+        if self.durability.settings.max_held is None:
+            self.gate.max_held = 4 * self.hooks.pool_size()
+        if self.durability.settings.hold_deadline is None:
+            self.gate.hold_deadline = default_hold_deadline(
+                self.c.app, self.c.connection.transport.driver_type)
+        self.producer = Producer(channel, serializer="json")  # type: ignore[no-untyped-call]
+        return [Consumer(  # type: ignore[no-untyped-call]
+            channel, queues=[self.reply_queue], callbacks=[self._on_reply],
+            no_ack=True, accept=["json"])]
+
+    def start(self, c: Any) -> None:
+        super().start(c)
+        self._timers = [c.timer.call_repeatedly(PUMP_INTERVAL, self.pump),
+                        c.timer.call_repeatedly(SUMMARY_INTERVAL, log_summary, (self.gate,))]
+        logger.info("durability: gate started as client %s (hold deadline %.0fs, max held %d)",
+                    self.client_id, self.gate.hold_deadline, self.gate.max_held)
+
+    def stop(self, c: Any) -> None:
+        self._close_gate()
+        super().stop(c)
+
+    def shutdown(self, c: Any) -> None:
+        self._close_gate()
+        super().shutdown(c)
+
+    def _close_gate(self) -> None:
+        for entry in self._timers:
+            entry.cancel()
+        self._timers = []
+        dropped = self.gate.forget_held()
+        if dropped:
+            logger.info("durability: %d held message(s) go back to the broker", dropped)
+
+    # -- the loop --------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            self.c.call_soon(self.pump)
+
+    def pump(self) -> None:
+        self._wake_pending = False
+        try:
+            for message in self.gate.pump():
+                self._publish(message)
+        except Exception:  # the timer must keep running whatever one pump hits
+            logger.exception("durability: gate pump failed")
+
+    def _publish(self, message: Outgoing) -> None:
+        producer = self.producer
+        try:
+            if producer is None:
+                raise RuntimeError("gate step not started")
+            producer.publish(
+                message.body, exchange="",
+                routing_key=self.durability.queue_for(message.semaphore, message.key),
+                reply_to=self.reply_queue.name, correlation_id=message.correlation_id,
+                serializer="json", retry=True, retry_policy=_PUBLISH_RETRY,
+            )
+        except Exception as exc:
+            logger.warning("durability: sending to holder of %s/%s failed: %r",
+                           message.semaphore, message.key, exc)
+            self.gate.failed(message)
+
+    def _on_reply(self, body: Any, message: Any) -> None:
+        correlation_id = message.properties.get("correlation_id")
+        if not self.gate.on_reply(correlation_id, body):
+            logger.debug("durability: dropped late reply %s", correlation_id)

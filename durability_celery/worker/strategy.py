@@ -1,0 +1,53 @@
+# The Strategy of admitted tasks: Celery's default strategy, built against a
+# consumer proxy whose hand-to-pool methods lead into the gate instead. Rule:
+# no admitted-type request reaches the pool except through the gate (ETA and
+# rate-limit paths included), and everything else about receiving stays Celery's.
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker import state as worker_state
+from celery.worker.strategy import default
+
+from ..errors import ConfigurationError
+
+
+class GatedConsumer:
+    """The worker's Consumer, except that requests ready to run go to the gate."""
+
+    def __init__(self, consumer: Any, gate: Any) -> None:
+        self._consumer = consumer
+        self._gate = gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+    def on_task_request(self, request: Any) -> None:
+        self._gate.submit(request)  # the default strategy reserved it already
+
+    def apply_eta_task(self, request: Any) -> None:
+        # The ETA is due: same bookkeeping as Consumer.apply_eta_task, into the gate.
+        worker_state.task_reserved(request)
+        self._gate.submit(request)
+        self._consumer.qos.decrement_eventually()
+
+    def _limit_task(self, request: Any, bucket: Any, tokens: int) -> None:
+        # AdmittedTask forbids rate_limit; one set later (annotations, the
+        # rate_limit control command) is ignored rather than bypassing the gate.
+        worker_state.task_reserved(request)
+        self._gate.submit(request)
+
+    def _limit_post_eta(self, request: Any, bucket: Any, tokens: int) -> None:
+        self._consumer.qos.decrement_eventually()
+        self._limit_task(request, bucket, tokens)
+
+
+def admitted_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    """`AdmittedTask.Strategy`: the default strategy, routed through the gate."""
+    gate = getattr(consumer, "durability_gate", None)
+    if gate is None:
+        raise ConfigurationError(
+            f"task {task.name} is an AdmittedTask but this worker has no durability gate: "
+            "create Durability(app, [...]) in the module that defines the Celery app"
+        )
+    return default(task, app, GatedConsumer(consumer, gate), **kwargs)
