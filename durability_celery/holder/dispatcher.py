@@ -238,7 +238,9 @@ class Dispatcher(threading.Thread):
         found: list[tuple[KeyId, float]] = []
         for name, semaphore in self._semaphores.items():
             try:
-                for key, deadline in semaphore.due_deadlines():
+                # Every pending deadline, not only the due ones: a restarted
+                # holder must follow deadlines set by the one before it.
+                for key, deadline in semaphore.deadlines():
                     if self._serves(name, key):
                         found.append(((name, key), float(deadline)))
             except Exception as exc:

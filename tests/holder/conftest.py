@@ -1,0 +1,132 @@
+# Fixtures for the holder tests: a backend (Redis + PostgreSQL, or the embedded
+# filesystem broker + SQLite), the test app built from one JSON config, and
+# holder worker subprocesses that are always killed at the end of the test.
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from holder_app import CONFIG_ENV, make_app  # noqa: E402
+
+from durability_celery.app import Durability  # noqa: E402
+from durability_celery.client.blocking import BlockingClient  # noqa: E402
+from durability_celery.semaphore import DurabilitySemaphore  # noqa: E402
+from conftest import Proc, Processes, create_postgres_database, filesystem_broker  # noqa: E402
+
+REDIS_DB = 1
+
+
+@pytest.fixture(scope="module")
+def holder_pg_url() -> Iterator[str]:
+    """This module's own PostgreSQL database (dropped at the end)."""
+    url, drop = create_postgres_database(prefix="dc_holder")
+    try:
+        yield url
+    finally:
+        drop()
+
+
+@dataclass
+class Backend:
+    name: str
+    broker: dict[str, Any]
+    database: str
+
+
+@pytest.fixture(params=["redis+postgresql", "filesystem+sqlite"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path,
+            redis_url_factory: Callable[[int], str]) -> Backend:
+    from conftest import reset_postgres
+
+    if request.param == "redis+postgresql":
+        url: str = request.getfixturevalue("holder_pg_url")
+        reset_postgres(url)
+        return Backend(request.param, {"broker_url": redis_url_factory(REDIS_DB)}, url)
+    return Backend(request.param, filesystem_broker(tmp_path),
+                   f"sqlite:///{tmp_path / 'durability.db'}")
+
+
+@pytest.fixture
+def redis_pg_backend(tmp_path: Path, redis_url_factory: Callable[[int], str],
+                     holder_pg_url: str) -> Backend:
+    from conftest import reset_postgres
+
+    reset_postgres(holder_pg_url)
+    return Backend("redis+postgresql", {"broker_url": redis_url_factory(REDIS_DB)},
+                   holder_pg_url)
+
+
+@dataclass
+class HolderRig:
+    """One test's holder setup: the config, the app as clients see it, the holders."""
+
+    config: dict[str, Any]
+    durability: Durability
+    processes: Processes
+    clients: list[BlockingClient] = field(default_factory=list)
+    holders: list[Proc] = field(default_factory=list)
+
+    def semaphore(self, name: str = "jobs") -> DurabilitySemaphore:
+        return self.durability.semaphore(name)
+
+    def start_holder(self, *args: str, name: str = "holder") -> Proc:
+        env = {CONFIG_ENV: json.dumps(self.config)}
+        proc = self.processes.start_worker(
+            "holder_app", "--durability-holder", "--pool=solo",
+            f"--queues={self.durability.control_queue}", *args,
+            env=env, name=name, pythonpath=[HERE],
+        )
+        proc.wait_for_log(r"durability holder: consuming", timeout=20)
+        self.holders.append(proc)
+        return proc
+
+    def client(self, name: str = "jobs", *, timeout: float = 5.0) -> BlockingClient:
+        client = BlockingClient(self.durability, name, timeout=timeout)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for client in self.clients:
+            try:
+                client._disconnect()
+            except Exception:
+                pass
+
+
+def semaphore_config(name: str, database: str, **options: Any) -> dict[str, Any]:
+    return {"name": name, "database": database, **options}
+
+
+@pytest.fixture
+def make_rig(processes: Processes) -> Iterator[Callable[..., HolderRig]]:
+    rigs: list[HolderRig] = []
+
+    def make(backend: Backend, semaphores: list[dict[str, Any]],
+             settings: dict[str, Any] | None = None) -> HolderRig:
+        config = {**backend.broker, "semaphores": semaphores,
+                  "settings": {"queue_prefix": f"dch{uuid.uuid4().hex[:6]}", "shards": 4,
+                               "claim_margin": 0.2, **(settings or {})}}
+        _app, durability = make_app(config)
+        for semaphore in durability.semaphores.values():
+            semaphore.migrate()
+        rig = HolderRig(config, durability, processes)
+        rigs.append(rig)
+        return rig
+
+    try:
+        yield make
+    finally:
+        for rig in rigs:
+            rig.close()
+            for semaphore in rig.durability.semaphores.values():
+                semaphore.close()

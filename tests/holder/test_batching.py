@@ -1,0 +1,114 @@
+# The holder's scheduling rules with a fake clock: when each key's round
+# starts, that keys never run two jobs at once, and the claim-deadline alarm.
+from __future__ import annotations
+
+from durability_celery.holder.batching import Batcher, Reclaim, Round, Waiting
+
+WAIT, PERIOD = 1.0, 2.0
+K = ("jobs", "acct-1")
+K2 = ("jobs", "acct-2")
+
+
+def batcher() -> Batcher:
+    return Batcher(lambda semaphore: (WAIT, PERIOD), max_batch=3)
+
+
+def req(at: float, n: int = 0) -> Waiting:
+    return Waiting({"n": n}, "reply", f"c{n}", at)
+
+
+def test_requests_inside_round_wait_share_one_round() -> None:
+    b = batcher()
+    b.add(K, req(10.0, 1))
+    b.add(K, req(10.4, 2))
+    assert b.take_due(10.9) == []
+    assert b.next_wake() == 11.0
+    (job,) = b.take_due(11.0)
+    assert isinstance(job, Round)
+    assert [r.body["n"] for r in job.requests] == [1, 2]
+
+
+def test_rounds_of_one_key_are_round_period_apart() -> None:
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    assert len(b.take_due(1.0)) == 1
+    b.finished(K)
+    b.add(K, req(1.5, 2))  # its round_wait ends at 2.5, the period at 3.0
+    assert b.round_at(K) == 3.0
+    assert b.take_due(2.9) == []
+    assert len(b.take_due(3.0)) == 1
+
+
+def test_a_busy_key_waits_and_other_keys_do_not() -> None:
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.add(K, req(5.0, 2))
+    b.add(K2, req(5.0, 3))
+    jobs = b.take_due(10.0)
+    assert [j.key_id for j in jobs] == [K2]  # K's round is still running
+    assert b.next_wake() is None or b.next_wake() == 6.0
+    b.finished(K)
+    assert [j.key_id for j in b.take_due(10.0)] == [K]
+
+
+def test_batches_are_capped_and_the_rest_waits_for_the_next_round() -> None:
+    b = batcher()
+    for n in range(5):
+        b.add(K, req(0.0, n))
+    (job,) = b.take_due(1.0)
+    assert isinstance(job, Round) and len(job.requests) == 3
+    b.finished(K)
+    assert b.round_at(K) == 3.0
+    (job,) = b.take_due(3.0)
+    assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [3, 4]
+
+
+def test_alarm_follows_the_earliest_deadline_and_runs_when_idle() -> None:
+    b = batcher()
+    b.set_alarm(K, 20.0)
+    b.set_alarm(K, 15.0)
+    b.set_alarm(K, 30.0)
+    assert b.alarm(K) == 15.0
+    assert b.next_wake() == 15.0
+    assert b.take_due(14.9) == []
+    (job,) = b.take_due(15.0)
+    assert job == Reclaim(K)
+    assert b.take_due(16.0) == []  # busy
+    b.finished(K)
+    b.replace_alarm(K, 25.0, now=16.0)
+    assert b.alarm(K) == 25.0
+    b.replace_alarm(K, 10.0, now=16.0)  # a past deadline never spins
+    assert b.alarm(K) > 16.0
+
+
+def test_a_round_goes_before_a_due_alarm_and_the_alarm_follows() -> None:
+    b = batcher()
+    b.set_alarm(K, 1.0)
+    b.add(K, req(0.0, 1))
+    (job,) = b.take_due(2.0)
+    assert isinstance(job, Round)
+    b.finished(K)
+    (job,) = b.take_due(2.0)
+    assert job == Reclaim(K)
+
+
+def test_idle_keys_are_forgotten_after_their_period() -> None:
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K)
+    b.take_due(2.0)
+    assert b.round_at(K) is None
+    b.take_due(3.0)
+    b.add(K, req(3.0, 2))
+    assert b.round_at(K) == 4.0  # the old last round no longer delays it
+
+
+def test_drop_waiting_forgets_requests() -> None:
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.add(K2, req(0.0, 2))
+    assert len(b.drop_waiting()) == 2
+    assert b.waiting_count() == 0
+    assert b.take_due(10.0) == []
