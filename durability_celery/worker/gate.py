@@ -2,7 +2,7 @@
 # main process, unacked and outside the pool, until a SemaphoreClient gives them
 # a permit; then they go to the pool, and their ending releases the permit.
 # Rules: a permit is taken only while the pool has a free slot (never spent
-# waiting); each admitted task releases exactly once (by task id, idempotent);
+# waiting); each admitted task releases exactly once (by item, idempotent);
 # one lock serializes every SemaphoreClient call, since pool threads release.
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +60,8 @@ class Hooks:
     handoff: Callable[[Any], None]
     """Give an admitted request to the pool (the real `on_task_request`)."""
     pool_size: Callable[[], int]
-    busy: Callable[[Iterable[str]], int]
-    """Pool slots taken by work other than the admitted task ids given."""
+    busy: Callable[[], int]
+    """Pool slots taken by work the gate did not admit."""
     qos_increment: Callable[[], None]
     qos_decrement: Callable[[], None]
     wake: Callable[[], None]
@@ -78,9 +78,19 @@ class _InFlight:
 class GateState:
     held: dict[str, Held] = field(default_factory=dict)
     running: dict[str, str] = field(default_factory=dict)
-    """Admitted, unreleased task id -> semaphore name."""
+    """Admitted, unreleased item -> semaphore name."""
     in_flight: dict[tuple[str, str], _InFlight] = field(default_factory=dict)
     raised: int = 0
+
+
+def item_id(request: Any) -> str:
+    """The client-queue item of one delivery: the task id plus its retry count.
+
+    A retry is a new message with the same task id that may arrive before the
+    attempt that sent it has released; it must queue for its own permit, while
+    a redelivery of the same attempt must not.
+    """
+    return f"{request.id}#{request.request_dict.get('retries') or 0}"
 
 
 class Gate:
@@ -107,31 +117,32 @@ class Gate:
         except DurabilityError as exc:
             self._refuse(request, exc)
             return
+        item = item_id(request)
         with self.lock:
             state = self.state
-            previous = state.held.pop(request.id, None)
+            previous = state.held.pop(item, None)
             if previous is not None:
                 # Redelivered while held: keep the newer delivery (the broker's
                 # unacked record now belongs to it) and restart its hold clock.
                 worker_state.reserved_requests.discard(previous.request)
                 previous.request, previous.held_since = request, self.clock()
-                state.held[request.id] = previous
+                state.held[item] = previous
                 return
-            if request.id in state.running:
+            if item in state.running:
                 logger.warning("durability: duplicate delivery of running task %s dropped",
                                request.id)
                 request.acknowledge()
                 worker_state.reserved_requests.discard(request)
                 return
-            self.clients[semaphore].enqueue(key, group, request.id, enqueued_at=enqueued_at)
+            self.clients[semaphore].enqueue(key, group, item, enqueued_at=enqueued_at)
             raised = state.raised < self.max_held
             if raised:
                 # One more prefetch slot per held message keeps other work flowing;
                 # past max_held the broker's prefetch limit pushes work elsewhere.
                 state.raised += 1
                 self.hooks.qos_increment()
-            state.held[request.id] = Held(request, semaphore, key, group, enqueued_at,
-                                          self.clock(), raised)
+            state.held[item] = Held(request, semaphore, key, group, enqueued_at,
+                                    self.clock(), raised)
         self.hooks.wake()
 
     def _admission_of(self, request: Any) -> tuple[str, str, str | None, float]:
@@ -180,29 +191,29 @@ class Gate:
 
     def _hand_back_overdue(self, now: float) -> None:
         held = self.state.held
-        for task_id in list(held):
-            entry = held[task_id]
+        for item in list(held):
+            entry = held[item]
             if entry.held_since + self.hold_deadline > now:
                 break  # held is in held_since order
             # Before the broker would redeliver it anyway (Redis visibility_timeout,
             # RabbitMQ consumer_timeout). Its enqueued-at header travels with it, so
             # when it comes back its demand is as old as before.
-            self._unhold(task_id)
+            self._unhold(item)
             logger.info("durability: handing task %s back to the broker after %.0fs held",
-                        task_id, now - entry.held_since)
+                        entry.request.id, now - entry.held_since)
             entry.request.reject(requeue=True)
             worker_state.task_ready(entry.request)
 
     def _drop_revoked(self) -> None:
         revoked = worker_state.revoked
-        for task_id, entry in list(self.state.held.items()):
+        for item, entry in list(self.state.held.items()):
             request = entry.request
-            if (task_id in revoked or request.expires) and request.revoked():
-                self._unhold(task_id)  # revoked() acked it and marked it revoked
+            if (request.id in revoked or request.expires) and request.revoked():
+                self._unhold(item)  # revoked() acked it and marked it revoked
 
-    def _unhold(self, task_id: str) -> Held:
-        entry = self.state.held.pop(task_id)
-        self.clients[entry.semaphore].cancel(task_id)
+    def _unhold(self, item: str) -> Held:
+        entry = self.state.held.pop(item)
+        self.clients[entry.semaphore].cancel(item)
         if entry.raised_qos:
             self.state.raised -= 1
             self.hooks.qos_decrement()
@@ -212,7 +223,7 @@ class Gate:
         if not self.state.held:
             return
         free = self.hooks.pool_size() - len(self.state.running)
-        free -= self.hooks.busy(self.state.running)
+        free -= self.hooks.busy()
         names = list(self.clients)
         self._turn = (self._turn + 1) % len(names)
         for name in names[self._turn:] + names[:self._turn]:
@@ -234,20 +245,20 @@ class Gate:
         if request.revoked():
             self.clients[semaphore].release(permit.item_id)
             return 0
-        self.state.running[request.id] = semaphore
-        instrument(request, self.release)
+        self.state.running[permit.item_id] = semaphore
+        instrument(request, permit.item_id, self.release)
         self.hooks.handoff(request)
         return 1
 
     # -- releases (any thread) ---------------------------------------------------
 
-    def release(self, task_id: str) -> None:
-        """An admitted task ended; repeated calls for one task id do nothing."""
+    def release(self, item: str) -> None:
+        """An admitted task ended; repeated calls for one item do nothing."""
         with self.lock:
-            semaphore = self.state.running.pop(task_id, None)
+            semaphore = self.state.running.pop(item, None)
             if semaphore is None:
                 return
-            self.clients[semaphore].release(task_id)
+            self.clients[semaphore].release(item)
         self.hooks.wake()
 
     # -- the holder ------------------------------------------------------------
@@ -295,8 +306,8 @@ class Gate:
         """The consumer stopped: held messages go back to the broker with the channel."""
         with self.lock:
             count = len(self.state.held)
-            for task_id, entry in list(self.state.held.items()):
-                self.clients[entry.semaphore].cancel(task_id)
+            for item, entry in list(self.state.held.items()):
+                self.clients[entry.semaphore].cancel(item)
                 worker_state.reserved_requests.discard(entry.request)
             self.state.held.clear()
             self.state.raised = 0

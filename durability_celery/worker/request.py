@@ -42,16 +42,15 @@ class AdmittedRequest(Request):  # type: ignore[misc]
             release(self.id)
 
 
-def instrument(request: Any, release: Release) -> None:
-    """Make every ending of `request` call `release(task_id)`.
+def instrument(request: Any, item: str, release: Release) -> None:
+    """Make every ending of `request` call `release(item)`.
 
     `on_success` is wrapped on the instance because create_request_cls defines
     its own `on_success`, shadowing any subclass's (celery#4526);
     `execute_using_pool` because a request revoked between admission and the
     pool raises TaskRevokedError there and never reaches a pool callback.
     """
-    request._durability_release = release
-    task_id = request.id
+    request._durability_release = lambda _task_id: release(item)
     on_success = request.on_success
     execute_using_pool = request.execute_using_pool
 
@@ -59,7 +58,7 @@ def instrument(request: Any, release: Release) -> None:
         try:
             return on_success(result, **kwargs)
         finally:
-            release(task_id)
+            release(item)
 
     def execute_or_release(pool: Any, **kwargs: Any) -> Any:
         try:
@@ -67,7 +66,7 @@ def instrument(request: Any, release: Release) -> None:
         except BaseException:
             # TaskRevokedError (revoked after admission) or a pool that refused
             # the job: either way the task will not run on this permit.
-            release(task_id)
+            release(item)
             raise
 
     request.on_success = on_success_then_release

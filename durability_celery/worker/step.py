@@ -97,8 +97,10 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         def pool_size() -> int:
             return int(getattr(c.pool, "num_processes", 0) or c.controller.concurrency or 1)
 
-        def busy(admitted: Any) -> int:
-            return sum(1 for r in worker_state.active_requests if r.id not in admitted)
+        def busy() -> int:
+            # Admitted requests carry their release hook; the gate counts those itself.
+            return sum(1 for r in worker_state.active_requests
+                       if getattr(r, "_durability_release", None) is None)
 
         return Hooks(handoff=handoff, pool_size=pool_size, busy=busy,
                      qos_increment=lambda: c.qos.increment_eventually(),

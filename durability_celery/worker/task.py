@@ -39,6 +39,8 @@ class Admission:
     group: Extractor | None
     positions: Mapping[str, int]
     """Positional index of each named parameter of the task function."""
+    defaults: Mapping[str, Any]
+    """Default values of the task function's parameters that have one."""
 
     def key_of(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         value = self._extract("key", self.key, args, kwargs)
@@ -68,6 +70,8 @@ class Admission:
         index = self.positions.get(how)
         if index is not None and index < len(args):
             return args[index]
+        if how in self.defaults:
+            return self.defaults[how]
         raise AdmissionError(
             f"{what} argument {how!r} was not passed (semaphore {self.semaphore!r})")
 
@@ -89,8 +93,10 @@ def _task_function(task_cls: type[AdmittedTask]) -> tuple[Callable[..., Any], bo
     return task_cls.__wrapped__, not isinstance(static, staticmethod)
 
 
-def _parameters(fun: Callable[..., Any], *, bound: bool) -> tuple[dict[str, int], set[str], bool]:
-    """Positional index per parameter, every named parameter, and whether it takes **kwargs."""
+def _parameters(fun: Callable[..., Any], *, bound: bool
+                ) -> tuple[dict[str, int], dict[str, Any], set[str], bool]:
+    """Positional index per parameter, defaults, every named parameter, and whether
+    the function takes **kwargs."""
     params = list(inspect.signature(fun).parameters.values())
     if bound and params:
         params = params[1:]  # `self` of a bind=True task
@@ -99,7 +105,8 @@ def _parameters(fun: Callable[..., Any], *, bound: bool) -> tuple[dict[str, int]
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     }
     names = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    return positions, names, any(p.kind is p.VAR_KEYWORD for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    return positions, defaults, names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def build_admission(task_cls: type[AdmittedTask], app: Any) -> Admission:
@@ -114,7 +121,7 @@ def build_admission(task_cls: type[AdmittedTask], app: Any) -> Admission:
             "limiter would hand requests to the pool around the gate); use the semaphore"
         )
     fun, bound = _task_function(task_cls)
-    positions, names, takes_kwargs = _parameters(fun, bound=bound)
+    positions, defaults, names, takes_kwargs = _parameters(fun, bound=bound)
     for what, how in (("key", task_cls.key), ("group", task_cls.group)):
         if how is None and what == "group":
             continue
@@ -129,7 +136,8 @@ def build_admission(task_cls: type[AdmittedTask], app: Any) -> Admission:
                 f"task {name}: {what} argument {how!r} is not a parameter of the task "
                 f"(parameters: {', '.join(sorted(names)) or 'none'})"
             )
-    return Admission(task_cls.semaphore, task_cls.key, task_cls.group, positions)  # type: ignore[arg-type]
+    return Admission(task_cls.semaphore, task_cls.key, task_cls.group,  # type: ignore[arg-type]
+                     positions, defaults)
 
 
 class AdmittedTask(Task):  # type: ignore[misc]

@@ -1,0 +1,136 @@
+# Fixtures of the gate tests: a PostgreSQL database of this area's own, the
+# Redis broker (DB 4) and ledger (DB 5), and a `Cluster` that starts one holder
+# worker and any number of client workers as real subprocesses on one config.
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.conftest import Proc, Processes, create_postgres_database
+
+BROKER_DB = 4
+LEDGER_DB = 5
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def gate_database() -> Iterator[str]:
+    """One PostgreSQL database for the whole area, migrated once."""
+    from durability_celery.semaphore import DurabilitySemaphore
+
+    url, drop = create_postgres_database("dc_worker")
+    try:
+        DurabilitySemaphore.migrate(url)
+        yield url
+    finally:
+        drop()
+
+
+class Cluster:
+    """One config, one holder, client workers; the test publishes through `app`."""
+
+    def __init__(self, processes: Processes, config: dict[str, Any]) -> None:
+        from tests.worker.gate_app import define_tasks, make_app
+
+        self.processes = processes
+        self.config = config
+        self.env = {"DC_GATE_TEST_CONFIG": json.dumps(config)}
+        self.app, self.durability = make_app(config)
+        self.admitted, self.plain = define_tasks(self.app, config)
+        self.ledger = redis.Redis.from_url(config["ledger_url"], decode_responses=True)
+        self.semaphore = self.durability.semaphore(config["semaphore"]["name"])
+        self.workers: list[Proc] = []
+
+    def start(self, *, holder: bool = True, clients: int = 2, pool: str = "threads",
+              concurrency: int = 2, extra: tuple[str, ...] = ()) -> list[Proc]:
+        """Spawn everything at once, then wait for each to be ready (parallel start-up)."""
+        procs = []
+        if holder:
+            procs.append(self._spawn("holder", ("--durability-holder", "-Q", "idle.holder",
+                                                "--pool=threads", "--concurrency=1")))
+        for _ in range(clients):
+            procs.append(self._spawn("client", (f"--pool={pool}",
+                                                f"--concurrency={concurrency}", *extra)))
+        for proc in procs:
+            proc.wait_for_log(r"\bready\.", timeout=40)
+        self.workers.extend(p for p in procs if p.name == "client")
+        return procs
+
+    def _spawn(self, name: str, args: tuple[str, ...]) -> Proc:
+        cmd = [sys.executable, "-m", "celery", "-A", "tests.worker.gate_app", "worker",
+               "--loglevel=INFO", "--without-mingle", "--without-gossip",
+               f"--hostname={name}-{secrets.token_hex(3)}@%h", *args]
+        return self.processes.spawn(cmd, name=name, env=self.env, pythonpath=[HERE.parent.parent])
+
+    # -- ledger -----------------------------------------------------------------
+
+    def starts(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.ledger.hgetall("starts").items()}
+
+    def ends(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.ledger.hgetall("ends").items()}
+
+    def max_running(self, key: str, group: str | None = None) -> int:
+        name = f"max:{key}" if group is None else f"max:{key}:{group}"
+        return int(self.ledger.get(name) or 0)
+
+    def wait_for(self, what: str, check: Callable[[], bool], *, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- {p.name} ---\n{p.log()[-3000:]}" for p in self.workers)
+                pytest.fail(f"timed out waiting for {what}\n{logs}", pytrace=False)
+            time.sleep(0.1)
+
+    def usage_zero(self, key: str) -> bool:
+        usage = self.semaphore.usage(key)
+        return usage.outstanding == 0 and usage.lease_footprint == 0
+
+    def inspect_held(self) -> dict[str, Any]:
+        replies = self.app.control.broadcast("durability_held", reply=True, timeout=2.0)
+        merged: dict[str, Any] = {}
+        for reply in replies:
+            merged.update(reply)
+        return merged
+
+
+@pytest.fixture
+def cluster_factory(processes: Processes, gate_database: str
+                    ) -> Iterator[Callable[..., Cluster]]:
+    broker = f"redis://127.0.0.1:6379/{BROKER_DB}"
+    ledger = f"redis://127.0.0.1:6379/{LEDGER_DB}"
+    for url in (broker, ledger):
+        client = redis.Redis.from_url(url)
+        client.flushdb()
+        client.close()
+    made: list[Cluster] = []
+
+    def make(*, limits: dict[str, int], group_limits: dict[str, int] | None = None,
+             leases: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
+             transport: dict[str, Any] | None = None, **semaphore: Any) -> Cluster:
+        config = {
+            "broker_url": broker, "ledger_url": ledger, "database": gate_database,
+            "broker_transport_options": transport or {},
+            "limits": limits, "group_limits": group_limits or {},
+            "semaphore": {"name": f"sem-{secrets.token_hex(4)}", "leases": leases, **semaphore},
+            "settings": {"queue_prefix": f"dct{secrets.token_hex(3)}", "shards": 2,
+                         "request_timeout": 3.0, **(settings or {})},
+        }
+        cluster = Cluster(processes, config)
+        made.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        processes.stop_all()
+        for cluster in made:
+            cluster.semaphore.close()
