@@ -1,0 +1,214 @@
+# SemaphoreClient against the real pure core, in memory: several clients
+# enqueue items, send what is due to run_round (one batch per key per tick),
+# apply the answers (some lost or repeated when the run is lossy), admit and
+# release. Checks the whole loop keeps every key under its limit (and every
+# group under its ceiling), admits every item exactly once, and that all
+# clients settle after stop().
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from durability_celery.client import SemaphoreClient
+from durability_celery.core.config import Leases, Over, RoundConfig, Strict, Under
+from durability_celery.core.round import KeyState, reclaim, run_round
+
+from .helpers import SEM, FakeClock
+
+pytestmark = pytest.mark.timeout(120)
+
+TICK = 0.1
+
+
+class Limits:
+    def __init__(self, limit: int, groups: dict[str, int]) -> None:
+        self._limit = limit
+        self._groups = groups
+
+    def limit(self, key: str) -> int:
+        return self._limit
+
+    def group_limit(self, key: str, group: str) -> int | None:
+        return self._groups.get(group)
+
+    def can_grant(self, key: str, client_id: str, group: str | None) -> bool:
+        return True
+
+
+@dataclass
+class World:
+    """The holder (pure core) and its clients, stepped on one fake clock."""
+
+    config: RoundConfig
+    limits: Limits
+    clients: list[SemaphoreClient]
+    clock: FakeClock
+    rng: random.Random
+    loss: float = 0.0
+    states: dict[str, KeyState] = field(default_factory=dict)
+    running: dict[str, tuple[float, int, str, str | None]] = field(default_factory=dict)
+    admitted: set[str] = field(default_factory=set)
+    replayed: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
+    peak: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)
+    """Admissions per permit source ("grant", "lease")."""
+    retired_in_use: set[str] = field(default_factory=set)
+    """Leases the holder retired on its own (not stopped by the client) with draws in use."""
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def new_id(self) -> str:
+        return f"id-{next(self.ids)}"
+
+    def exchange(self) -> None:
+        """One tick of the wire: every due message goes to its key's round."""
+        batches: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        for index, client in enumerate(self.clients):
+            for key in client.due():
+                batches.setdefault(key, []).append((index, client.message(key)))
+        now = self.clock.now
+        for key, batch in batches.items():
+            state = self.states.setdefault(key, KeyState(SEM, key))
+            result = run_round(state, [m for _, m in batch], config=self.config,
+                               limits=self.limits, now=now, new_id=self.new_id)
+            self.states[key] = result.state
+            for (index, _), response in zip(batch, result.responses, strict=True):
+                assert "error" not in response, response
+                self._deliver(index, key, response)
+        for key, state in self.states.items():  # the holder's deadline timer
+            self.states[key] = reclaim(state, config=self.config, now=now)
+            self.retired_in_use.update(
+                le.lease_id for le in self.states[key].leases
+                if le.status == "retired" and not le.confirmed and le.drawn > le.released)
+
+    def _deliver(self, index: int, key: str, response: dict[str, Any]) -> None:
+        if self.rng.random() < self.loss:
+            return  # lost: the client times out and asks again
+        self.clients[index].on_response(key, response)
+        if self.rng.random() < self.loss:
+            self.replayed.append((index, key, response))  # delivered again, later
+        if self.replayed and self.rng.random() < 0.3:
+            late = self.replayed.pop(0)
+            self.clients[late[0]].on_response(late[1], late[2])
+
+    def admit_and_release(self, duration: tuple[float, float]) -> None:
+        now = self.clock.now
+        for item_id, (ends, index, _, _) in list(self.running.items()):
+            if ends <= now:
+                assert self.clients[index].release(item_id)
+                del self.running[item_id]
+        for index, client in enumerate(self.clients):
+            for permit in client.admit(limit=self.rng.choice([None, 1, 3])):
+                assert permit.item_id not in self.admitted, "admitted twice"
+                self.admitted.add(permit.item_id)
+                self.sources[permit.source] = self.sources.get(permit.source, 0) + 1
+                ends = now + self.rng.uniform(*duration)
+                self.running[permit.item_id] = (ends, index, permit.key, permit.group)
+        self.check_limits()
+
+    def check_limits(self) -> None:
+        per_key: dict[str, int] = {}
+        per_group: dict[tuple[str, str | None], int] = {}
+        for _, _, key, group in self.running.values():
+            per_key[key] = per_key.get(key, 0) + 1
+            per_group[(key, group)] = per_group.get((key, group), 0) + 1
+        ceiling = self.limits.limit("")
+        leases = self.config.leases
+        if leases is not None and isinstance(leases.provisioning, Over):
+            ceiling += leases.provisioning.extra_for(ceiling)
+        for key, count in per_key.items():
+            assert count <= ceiling, f"{key}: {count} running, limit {ceiling}"
+            self.peak[key] = max(self.peak.get(key, 0), count)
+        for (_, group), count in per_group.items():
+            group_limit = self.limits.group_limit("", group) if group else None
+            if group_limit is not None:
+                assert count <= group_limit, f"group {group}: {count} > {group_limit}"
+
+
+def simulate(*, seed: int, leases: Leases | None, limit: int = 5, clients: int = 3,
+             keys: tuple[str, ...] = ("k1", "k2"), items: int = 80, loss: float = 0.0,
+             groups: dict[str, int] | None = None,
+             duration: tuple[float, float] = (0.2, 3.0), arrive_within: float = 20.0,
+             no_lease_client: bool = True) -> World:
+    rng = random.Random(seed)
+    clock = FakeClock(1000.0)
+    world = World(
+        config=RoundConfig(SEM, grant_timeout=10.0, round_wait=0.0, round_period=0.3,
+                           leases=leases),
+        limits=Limits(limit, groups or {}),
+        clients=[SemaphoreClient(SEM, client_id=f"worker-{i}", clock=clock,
+                                 claim_margin=3.0, request_timeout=1.0,
+                                 supports_leases=i != 0 or not no_lease_client)
+                 for i in range(clients)],
+        clock=clock, rng=rng, loss=loss,
+    )
+    group_names = [None, *sorted(groups or {}), "free"]
+    arrivals = sorted((1000.0 + rng.uniform(0, arrive_within), i) for i in range(items))
+    pending = list(arrivals)
+    for _ in range(20_000):
+        while pending and pending[0][0] <= clock.now:
+            at, i = pending.pop(0)
+            client = world.clients[rng.randrange(clients)]
+            assert client.enqueue(rng.choice(keys), rng.choice(group_names), f"item-{i}",
+                                  enqueued_at=at)
+        world.exchange()
+        world.admit_and_release(duration)
+        if not pending and not world.running and len(world.admitted) == items:
+            break
+        clock.advance(TICK)
+    assert len(world.admitted) == items, f"only {len(world.admitted)} of {items} admitted"
+    return world
+
+
+def settle_all(world: World) -> None:
+    for client in world.clients:
+        client.stop()
+    for _ in range(2_000):
+        world.exchange()
+        if all(c.settled() for c in world.clients):
+            break
+        world.clock.advance(TICK)
+    assert all(c.settled() for c in world.clients)
+    for key, state in world.states.items():
+        assert state.leases == (), f"{key}: leases left on the holder: {state.leases}"
+        assert all(g.claimed == g.released for g in state.grants), state.grants
+
+
+MODES = {
+    "grants-only": None,
+    "strict": Leases(provisioning=Strict(), permits_per_lease=3, ttl=30.0),
+    "under": Leases(provisioning=Under(reserve=2), permits_per_lease=2, ttl=30.0),
+    "over": Leases(provisioning=Over(extra=3), permits_per_lease=2, ttl=30.0),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_clients_and_core_keep_the_limit_and_admit_every_item_once(mode: str, seed: int) -> None:
+    world = simulate(seed=seed, leases=MODES[mode], groups={"capped": 2})
+    assert max(world.peak.values()) >= 3  # the budget was actually used, not starved
+    assert world.sources.get("grant", 0) > 0
+    if mode != "grants-only":
+        assert world.sources.get("lease", 0) > 0  # leases were drawn from locally
+    settle_all(world)
+
+
+@pytest.mark.parametrize("mode", ["grants-only", "strict"])
+@pytest.mark.parametrize("seed", [3, 4])
+def test_lost_and_repeated_replies_still_keep_the_limit(mode: str, seed: int) -> None:
+    world = simulate(seed=seed, leases=MODES[mode], loss=0.15, items=60)
+    settle_all(world)
+
+
+def test_long_tasks_keep_their_leases_alive_by_heartbeat() -> None:
+    # A few tasks far longer than the lease ttl, then silence: only heartbeats
+    # at ttl/2 keep the leases active (never retired by the holder).
+    leases = Leases(provisioning=Strict(), permits_per_lease=4, ttl=4.0)
+    world = simulate(seed=5, leases=leases, items=6, duration=(20.0, 30.0), keys=("k1",),
+                     limit=20, arrive_within=0.5, no_lease_client=False)
+    assert world.sources.get("lease", 0) > 0
+    assert world.retired_in_use == set()
+    settle_all(world)
