@@ -68,8 +68,12 @@ class _Room:
 
     def for_leases(self, leases: Leases) -> int:
         if isinstance(leases.provisioning, Over):
+            # Leases have their own budget above the limit, but the total
+            # still never passes limit + extra (grants may sit above a
+            # lowered limit).
             extra = leases.provisioning.extra_for(self.limit)
-            return max(0, extra - self.lease_footprint)
+            in_use = self.grants_out + self.lease_footprint
+            return max(0, min(extra - self.lease_footprint, self.limit + extra - in_use))
         return max(0, self.limit - self.grants_out - self.lease_footprint)
 
     def for_group(self, ceiling: int | None, group: str | None) -> int | None:

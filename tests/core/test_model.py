@@ -1,0 +1,224 @@
+# Stateful property test of the pure core against a small model of clients
+# that claim, draw and release for real while their reports are lost,
+# duplicated and reordered, time passes, and limits go up and down.
+# After every step: clamps hold, the holder never believes more was released
+# than really was, it counts at least what really runs, and whatever a round
+# issues fits under the limit in force (limit + extra in `over` mode).
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from core_harness import KEY, Limits, MemorySemaphore, request, sync
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from durability_celery.core.config import Leases, Over, Strict, Under
+
+GRANT_TIMEOUT = 10.0
+CLAIM_MARGIN = 2.0
+CLIENTS = ("a", "b", "c")
+GROUPS = (None, "w")
+
+
+@dataclass
+class Held:
+    """What one client really did with one grant or lease (the ground truth)."""
+
+    permits: int
+    used: int = 0  # claimed (grant) or drawn (lease)
+    released: int = 0
+    deadline: float = 0.0
+    status: str = "active"
+    stopped: bool = False
+
+
+@dataclass
+class Client:
+    grants: dict[str, Held] = field(default_factory=dict)
+    leases: dict[str, Held] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "grants": [(gid, h.used, h.released) for gid, h in self.grants.items()],
+            "leases": [(lid, h.used, h.released, h.stopped) for lid, h in self.leases.items()],
+        }
+
+    def running(self) -> int:
+        held = [*self.grants.values(), *self.leases.values()]
+        return sum(h.used - h.released for h in held)
+
+
+class SemaphoreModel(RuleBasedStateMachine):
+    provisioning: Strict | Under | Over | None = Strict()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits = Limits(6, groups={"w": 3})
+        leases = None if self.provisioning is None else Leases(
+            self.provisioning, permits_per_lease=3, ttl=30.0)
+        self.sem = MemorySemaphore(self.limits, grant_timeout=GRANT_TIMEOUT, leases=leases)
+        self.now = 1_000.0
+        self.clients = {c: Client() for c in CLIENTS}
+        self.sent: list[dict[str, Any]] = []
+
+    # -- the wire -------------------------------------------------------------
+
+    def deliver(self, message: dict[str, Any], client: str | None, *, lost_reply: bool) -> None:
+        grants_before = {g.grant_id for g in self.sem.state().grants}
+        leases_before = {le.lease_id for le in self.sem.state().leases}
+        (reply,) = self.sem.run_round(KEY, [message], now=self.now)
+        assert "error" not in reply, reply
+        state = self.sem.state()
+        new_grants = {g.grant_id for g in state.grants} - grants_before
+        new_leases = {le.lease_id for le in state.leases} - leases_before
+        if new_grants or new_leases:
+            self.check_issue_fits(grant_issued=bool(new_grants))
+        self.sent.append(message)
+        if client is not None and not lost_reply:
+            self.apply(self.clients[client], reply)
+
+    def apply(self, client: Client, reply: dict[str, Any]) -> None:
+        for g in reply["grants"]:
+            held = client.grants.setdefault(g["grant_id"], Held(g["permits"]))
+            held.permits, held.status = g["permits"], g["status"]
+            held.deadline = g["claim_deadline"] or 0.0
+            if g["status"] == "not_found" and held.used == held.released:
+                del client.grants[g["grant_id"]]
+        for le in reply["leases"]:
+            held = client.leases.setdefault(le["lease_id"], Held(le["permits"]))
+            held.status = le["status"]
+            if le["status"] != "active":
+                held.stopped = True  # a retired lease draws no more
+            if le["status"] == "settled":
+                del client.leases[le["lease_id"]]
+
+    def check_issue_fits(self, *, grant_issued: bool) -> None:
+        """What a round issued fits under the limit in force (invariant 1 of DESIGN.md)."""
+        usage = self.sem.usage(KEY, now=self.now)
+        limit = self.limits.value
+        assert isinstance(limit, int)
+        if isinstance(self.provisioning, Over):
+            if grant_issued:
+                assert usage.outstanding <= limit
+            assert usage.in_use <= limit + self.provisioning.extra_for(limit)
+        else:
+            assert usage.in_use <= limit
+
+    # -- rules ----------------------------------------------------------------
+
+    @rule(client=st.sampled_from(CLIENTS), group=st.sampled_from(GROUPS),
+          count=st.integers(0, 8), lost_reply=st.booleans(), leases=st.booleans())
+    def ask(self, client: str, group: str | None, count: int, lost_reply: bool,
+            leases: bool) -> None:
+        message = request(client, [(group, count, self.now - count)],
+                          supports_leases=leases, **self.clients[client].report())
+        self.deliver(message, client, lost_reply=lost_reply)
+
+    @rule(client=st.sampled_from(CLIENTS), lost=st.booleans(), lost_reply=st.booleans())
+    def report(self, client: str, lost: bool, lost_reply: bool) -> None:
+        message = sync(client, **self.clients[client].report())
+        if lost:
+            self.sent.append(message)  # may still arrive later, reordered
+        else:
+            self.deliver(message, client, lost_reply=lost_reply)
+
+    @precondition(lambda self: bool(self.sent))
+    @rule(data=st.data())
+    def replay_old_message(self, data: st.DataObject) -> None:
+        """A duplicated or reordered message arrives late; its reply is lost."""
+        self.deliver(data.draw(st.sampled_from(self.sent)), None, lost_reply=True)
+
+    @rule(client=st.sampled_from(CLIENTS), data=st.data())
+    def claim(self, client: str, data: st.DataObject) -> None:
+        """Claims stay clear of the deadline and reach the holder before it (the claim margin)."""
+        choices = [h for h in self.clients[client].grants.values()
+                   if h.status == "active" and h.used < h.permits
+                   and self.now < h.deadline - CLAIM_MARGIN]
+        if choices:
+            data.draw(st.sampled_from(choices)).used += 1
+            self.deliver(sync(client, **self.clients[client].report()), client, lost_reply=True)
+
+    @rule(client=st.sampled_from(CLIENTS), data=st.data())
+    def draw(self, client: str, data: st.DataObject) -> None:
+        choices = [h for h in self.clients[client].leases.values()
+                   if not h.stopped and h.used < h.permits]
+        if choices:
+            data.draw(st.sampled_from(choices)).used += 1
+
+    @rule(client=st.sampled_from(CLIENTS), data=st.data())
+    def release(self, client: str, data: st.DataObject) -> None:
+        held = self.clients[client]
+        choices = [h for h in [*held.grants.values(), *held.leases.values()]
+                   if h.used > h.released]
+        if choices:
+            data.draw(st.sampled_from(choices)).released += 1
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def stop_leases(self, client: str) -> None:
+        for held in self.clients[client].leases.values():
+            held.stopped = True
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 3.0, 11.0, 31.0]))
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule()
+    def alarm(self) -> None:
+        self.sem.reclaim(KEY, now=self.now)
+
+    @rule(limit=st.integers(0, 8), group=st.sampled_from([None, 1, 3, 5]))
+    def change_limits(self, limit: int, group: int | None) -> None:
+        self.limits.value = limit
+        self.limits.groups["w"] = group
+
+    # -- invariants -----------------------------------------------------------
+
+    @invariant()
+    def marks_stay_within_their_clamps(self) -> None:
+        state = self.sem.state()
+        for g in state.grants:
+            assert 0 <= g.released <= g.claimed <= g.permits
+        for le in state.leases:
+            assert 0 <= le.released <= le.drawn <= le.permits
+
+    @invariant()
+    def nothing_is_freed_that_was_not_freed(self) -> None:
+        state = self.sem.state()
+        for g in state.grants:
+            truth = self.clients[g.client_id].grants.get(g.grant_id)
+            if truth is not None:
+                assert g.claimed <= truth.used and g.released <= truth.released
+        for le in state.leases:
+            truth = self.clients[le.client_id].leases.get(le.lease_id)
+            if truth is not None:
+                assert le.drawn <= truth.used and le.released <= truth.released
+
+    @invariant()
+    def the_holder_counts_at_least_what_runs(self) -> None:
+        running = sum(c.running() for c in self.clients.values())
+        assert running <= self.sem.usage(KEY, now=self.now).in_use
+
+
+class UnderModel(SemaphoreModel):
+    provisioning = Under(reserve=2)
+
+
+class OverModel(SemaphoreModel):
+    provisioning = Over(extra=3)
+
+
+class GrantsOnlyModel(SemaphoreModel):
+    provisioning = None
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestStrict = SemaphoreModel.TestCase
+TestStrict.settings = SETTINGS
+TestUnder = UnderModel.TestCase
+TestUnder.settings = SETTINGS
+TestOver = OverModel.TestCase
+TestOver.settings = SETTINGS
+TestGrantsOnly = GrantsOnlyModel.TestCase
+TestGrantsOnly.settings = SETTINGS

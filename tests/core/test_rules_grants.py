@@ -1,0 +1,196 @@
+# Every rule of the spec for grants, as a table-driven suite that runs on the
+# pure core, SQLite and PostgreSQL: oldest-first allocation, limits and group
+# ceilings, blocked attribution, cumulative reports, reclaim, live limits.
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from core_harness import KEY, Limits, blocked, granted, request, sync
+
+T0 = 1_000.0
+
+
+def ids(response: dict[str, Any]) -> list[str]:
+    return [g["grant_id"] for g in response["grants"]]
+
+
+def test_oldest_demand_first_across_clients(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(5))
+    newer, older, oldest = sem.run_round(KEY, [
+        request("a", [(None, 4, 30.0)]),
+        request("b", [(None, 4, 20.0)]),
+        request("c", [(None, 2, 10.0)]),
+    ], now=T0)
+    assert (granted(oldest), granted(older), granted(newer)) == (2, 3, 0)
+    assert blocked(newer) == {None: ("limit", 4)}
+    assert blocked(older) == {None: ("limit", 1)}
+    assert all(r["contended"] for r in (newer, older, oldest))
+
+
+def test_arrival_order_breaks_ties(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(3))
+    first, second = sem.run_round(KEY, [
+        request("a", [(None, 2, 10.0)]), request("b", [(None, 2, 10.0)])
+    ], now=T0)
+    assert (granted(first), granted(second)) == (2, 1)
+
+
+def test_uncontended_round_grants_everything(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10))
+    (reply,) = sem.run_round(KEY, [request("a", [("w", 3, 1.0), (None, 2, 2.0)])], now=T0)
+    assert granted(reply) == 5 and not reply["contended"] and reply["blocked"] == []
+    assert {g["group"] for g in reply["grants"]} == {"w", None}
+    assert reply["next_request_at"] == T0 + 2.0 and reply["round_at"] == T0
+    assert all(g["claim_deadline"] == T0 + 10.0 for g in reply["grants"])
+
+
+@pytest.mark.parametrize(
+    ("groups", "deny", "expected"),
+    [
+        ({"w": 2}, set(), {"w": ("group_limit", 3)}),
+        ({}, {("a", "w")}, {"w": ("not_permitted", 5)}),
+        ({"w": ValueError("boom")}, set(), {"w": ("limit_resolution_error", 5)}),
+        ({"w": -1}, set(), {"w": ("limit_resolution_error", 5)}),
+        ({"w": "3"}, set(), {"w": ("limit_resolution_error", 5)}),
+    ],
+    ids=["group_limit", "not_permitted", "raising", "negative", "not-an-int"],
+)
+def test_blocked_attribution_fails_only_that_group(
+    make_semaphore: Any, groups: dict[str, Any], deny: set[Any], expected: dict[str, Any]
+) -> None:
+    sem = make_semaphore(Limits(100, groups=groups, deny=deny))
+    (reply,) = sem.run_round(KEY, [request("a", [("w", 5, 1.0), ("other", 4, 2.0)])], now=T0)
+    assert blocked(reply) == expected
+    by_group = {g["group"]: g["permits"] for g in reply["grants"]}
+    assert by_group["other"] == 4
+    assert by_group.get("w", 0) == 5 - expected["w"][1]
+
+
+def test_limit_that_raises_admits_nothing(make_semaphore: Any) -> None:
+    def broken(key: str) -> int:
+        raise RuntimeError("config service down")
+
+    sem = make_semaphore(Limits(broken))
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 2, 1.0)])], now=T0)
+    assert granted(reply) == 0
+    assert blocked(reply) == {None: ("limit_resolution_error", 2)}
+
+
+def test_limits_resolved_once_per_round(make_semaphore: Any) -> None:
+    limits = Limits(10, groups={"w": 5})
+    sem = make_semaphore(limits)
+    sem.run_round(KEY, [request(c, [("w", 1, 1.0), ("v", 1, 1.0)]) for c in "abcd"], now=T0)
+    assert limits.calls["limit"] == 1
+    assert limits.group_calls == {"w": 1, "v": 1}
+
+
+def test_group_ceiling_counts_every_client(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10, groups={"w": 3}))
+    replies = sem.run_round(KEY, [request(c, [("w", 2, float(i))]) for i, c in enumerate("abc")],
+                            now=T0)
+    assert [granted(r) for r in replies] == [2, 1, 0]
+    assert blocked(replies[2]) == {"w": ("group_limit", 2)}
+
+
+def test_reports_are_clamped_high_water_marks(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(4))
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 4, 1.0)])], now=T0)
+    (gid,) = ids(reply)
+    # Over-claim is clamped to the grant; a stale (reordered) report cannot move back.
+    (r1,) = sem.run_round(KEY, [sync("a", grants=[(gid, 9, 3)])], now=T0 + 1)
+    assert r1["grants"][0]["claimed"] == 4 and r1["grants"][0]["released"] == 3
+    (r2,) = sem.run_round(KEY, [sync("a", grants=[(gid, 2, 1)])], now=T0 + 2)
+    assert (r2["grants"][0]["claimed"], r2["grants"][0]["released"]) == (4, 3)
+    # The same release reported twice frees one permit, not two.
+    sem.run_round(KEY, [sync("a", grants=[(gid, 4, 3)])], now=T0 + 3)
+    (r3,) = sem.run_round(KEY, [request("b", [(None, 5, 1.0)])], now=T0 + 4)
+    assert granted(r3) == 3
+    assert sem.usage(KEY, now=T0 + 4).outstanding == 4
+
+
+def test_finished_grant_is_removed_and_then_not_found(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(2))
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 2, 1.0)])], now=T0)
+    (gid,) = ids(reply)
+    (done,) = sem.run_round(KEY, [sync("a", grants=[(gid, 2, 2)])], now=T0 + 1)
+    assert done["grants"][0]["status"] == "not_found"
+    assert sem.usage(KEY, now=T0 + 1).outstanding == 0
+
+
+def test_unclaimed_permits_are_reclaimed_after_grant_timeout(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(4), grant_timeout=5.0)
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 4, 1.0)])], now=T0)
+    (gid,) = ids(reply)
+    sem.run_round(KEY, [sync("a", grants=[(gid, 1, 0)])], now=T0 + 1)
+    assert sem.reclaim(KEY, now=T0 + 4.9) == T0 + 5.0
+    assert sem.usage(KEY, now=T0 + 4.9).outstanding == 4
+    assert sem.reclaim(KEY, now=T0 + 5.0) is None
+    assert sem.usage(KEY, now=T0 + 5).outstanding == 1
+    # A late claim is answered with the clamped count and status expired.
+    (late,) = sem.run_round(KEY, [sync("a", grants=[(gid, 3, 0)])], now=T0 + 6)
+    assert (late["grants"][0]["status"], late["grants"][0]["claimed"],
+            late["grants"][0]["permits"]) == ("expired", 1, 1)
+
+
+def test_grant_never_claimed_is_deleted_by_reclaim(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(4), grant_timeout=5.0)
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 4, 1.0)])], now=T0)
+    (gid,) = ids(reply)
+    assert sem.reclaim(KEY, now=T0 + 5) is None
+    (late,) = sem.run_round(KEY, [sync("a", grants=[(gid, 2, 0)])], now=T0 + 6)
+    assert late["grants"][0]["status"] == "not_found"
+    assert sem.usage(KEY, now=T0 + 5).outstanding == 0
+
+
+def test_round_reclaims_before_allocating(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(3), grant_timeout=5.0)
+    sem.run_round(KEY, [request("a", [(None, 3, 1.0)])], now=T0)
+    (reply,) = sem.run_round(KEY, [request("b", [(None, 3, 2.0)])], now=T0 + 6)
+    assert granted(reply) == 3
+
+
+def test_lowering_the_limit_never_revokes_running_work(make_semaphore: Any) -> None:
+    limits = Limits(6)
+    sem = make_semaphore(limits)
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 6, 1.0)])], now=T0)
+    (gid,) = ids(reply)
+    sem.run_round(KEY, [sync("a", grants=[(gid, 6, 0)])], now=T0 + 1)
+    limits.value = 2
+    (r1,) = sem.run_round(KEY, [request("b", [(None, 1, 1.0)]),], now=T0 + 2)
+    assert granted(r1) == 0 and blocked(r1) == {None: ("limit", 1)}
+    assert sem.usage(KEY, now=T0 + 2).outstanding == 6
+    sem.run_round(KEY, [sync("a", grants=[(gid, 6, 4)])], now=T0 + 3)
+    (r2,) = sem.run_round(KEY, [request("b", [(None, 1, 1.0)])], now=T0 + 4)
+    assert granted(r2) == 0  # 2 still running, at the new ceiling
+    sem.run_round(KEY, [sync("a", grants=[(gid, 6, 5)])], now=T0 + 5)
+    (r3,) = sem.run_round(KEY, [request("b", [(None, 1, 1.0)])], now=T0 + 6)
+    assert granted(r3) == 1
+
+
+def test_reply_lists_every_live_grant_so_a_lost_reply_is_recovered(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(5))
+    (lost,) = sem.run_round(KEY, [request("a", [(None, 2, 1.0)])], now=T0)
+    (again,) = sem.run_round(KEY, [request("a", [(None, 2, 1.0)])], now=T0 + 2)
+    assert ids(lost)[0] in ids(again)
+    assert granted(again) == 4
+
+
+def test_a_client_asking_twice_in_one_round_is_counted_once(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10))
+    first, second = sem.run_round(KEY, [
+        request("a", [(None, 3, 1.0)]), request("a", [(None, 3, 1.0)])
+    ], now=T0)
+    assert granted(first) == granted(second) == 3
+    assert sem.usage(KEY, now=T0).outstanding == 3
+
+
+def test_usage_per_group_and_blocked(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(5, groups={"w": 2}))
+    sem.run_round(KEY, [request("a", [("w", 4, 1.0), (None, 2, 2.0)])], now=T0)
+    usage = sem.usage(KEY, now=T0)
+    assert (usage.limit, usage.outstanding, usage.lease_footprint) == (5, 4, 0)
+    groups = {g.group: (g.outstanding, g.limit) for g in usage.groups}
+    assert groups == {"w": (2, 2), None: (2, None)}
+    assert [(b.group, b.reason, b.queued) for b in usage.blocked] == [("w", "group_limit", 2)]
+    assert usage.grants == 2

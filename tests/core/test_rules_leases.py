@@ -1,0 +1,184 @@
+# The lease rules of the spec on every backend: provisioning modes, equal
+# shares, eligibility, contention, stopping and settlement, ttl retirement,
+# unknown leases, and retirement when limits or eligibility are lowered.
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from core_harness import KEY, Limits, blocked, granted, leased, request, sync
+
+from durability_celery.core.config import Leases, Over, Strict, Under
+
+T0 = 1_000.0
+
+
+def lease_ids(reply: dict[str, Any]) -> list[str]:
+    return [le["lease_id"] for le in reply["leases"] if le["status"] == "active"]
+
+
+def ask(client: str, count: int, at: float = 1.0, group: str | None = None, **kw: Any) -> Any:
+    return request(client, [(group, count, at)], supports_leases=True, **kw)
+
+
+def test_strict_grants_first_then_leases_from_what_is_left(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10), leases=Leases(Strict(), permits_per_lease=64))
+    (reply,) = sem.run_round(KEY, [ask("a", 4)], now=T0)
+    assert granted(reply) == 4 and leased(reply) == 6
+    usage = sem.usage(KEY, now=T0)
+    assert usage.outstanding + usage.lease_footprint == 10
+
+
+def test_lease_budget_shared_equally_oldest_first(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(11), leases=Leases(Strict(), permits_per_lease=64))
+    replies = sem.run_round(KEY, [ask("a", 1, at=3.0), ask("b", 1, at=1.0), ask("c", 1, at=2.0)],
+                            now=T0)
+    assert [granted(r) for r in replies] == [1, 1, 1]
+    assert [leased(r) for r in replies] == [2, 2, 2]  # 8 left, 3 candidates: 2 each
+
+
+def test_permits_per_lease_caps_a_share(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(100), leases=Leases(Strict(), permits_per_lease=5))
+    (reply,) = sem.run_round(KEY, [ask("a", 1)], now=T0)
+    assert leased(reply) == 5
+
+
+def test_fewer_permits_than_candidates_oldest_get_one(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(2), leases=Leases(Strict()))
+    # Zero-count demand is not a candidate, so put demand that grants cannot
+    # serve: limit 2 is used up by nothing; three candidates want leases only.
+    replies = sem.run_round(KEY, [ask("a", 1, at=3.0), ask("b", 1, at=1.0), ask("c", 1, at=2.0)],
+                            now=T0)
+    assert [granted(r) for r in replies] == [0, 1, 1]
+    assert sum(leased(r) for r in replies) == 0
+    sem2 = make_semaphore(Limits(5), leases=Leases(Strict()))
+    replies = sem2.run_round(KEY, [ask(c, 1, at=float(i)) for i, c in enumerate("abcd")],
+                             now=T0)
+    assert [leased(r) for r in replies] == [1, 0, 0, 0]
+
+
+def test_under_keeps_a_reserve_for_leases(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10), leases=Leases(Under(reserve=4)))
+    (grants_only, wants_lease) = sem.run_round(KEY, [
+        request("a", [(None, 10, 1.0)], supports_leases=False), ask("b", 1, at=2.0)
+    ], now=T0)
+    assert granted(grants_only) == 6 and blocked(grants_only) == {None: ("limit", 4)}
+    assert granted(wants_lease) == 0 and leased(wants_lease) == 4
+    usage = sem.usage(KEY, now=T0)
+    assert usage.outstanding + usage.lease_footprint == 10
+
+
+def test_under_reserve_never_takes_the_last_permit(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(3), leases=Leases(Under(reserve=5)))
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 3, 1.0)])], now=T0)
+    assert granted(reply) == 1
+
+
+@pytest.mark.parametrize("over", [Over(extra=5), Over(ratio=0.5)], ids=["extra", "ratio"])
+def test_over_leases_come_from_above_the_limit(make_semaphore: Any, over: Over) -> None:
+    sem = make_semaphore(Limits(10), leases=Leases(over))
+    (reply,) = sem.run_round(KEY, [ask("a", 10)], now=T0)
+    assert granted(reply) == 10 and leased(reply) == 5
+    usage = sem.usage(KEY, now=T0)
+    assert usage.outstanding == 10 and usage.lease_footprint == 5
+
+
+def test_lease_eligibility(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(50, groups={"capped": 10}), leases=Leases(Strict()))
+    no_support, capped, holder = sem.run_round(KEY, [
+        request("a", [(None, 1, 1.0)], supports_leases=False),
+        ask("b", 1, group="capped"),
+        ask("c", 1),
+    ], now=T0)
+    assert leased(no_support) == 0 and leased(capped) == 0 and leased(holder) > 0
+    # c still holds undrawn lease permits for its group: no second lease.
+    (again,) = sem.run_round(KEY, [ask("c", 1)], now=T0 + 2)
+    assert len(lease_ids(again)) == 1
+
+
+def test_within_group_limit_leases_respect_the_ceiling(make_semaphore: Any) -> None:
+    leases = Leases(Strict(), limited_groups="within_group_limit")
+    sem = make_semaphore(Limits(50, groups={"w": 4}), leases=leases)
+    (reply,) = sem.run_round(KEY, [ask("a", 1, group="w")], now=T0)
+    assert granted(reply) == 1 and leased(reply) == 3
+
+
+def test_stopped_lease_counts_drawn_until_released_then_settles(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10), leases=Leases(Strict()))
+    (reply,) = sem.run_round(KEY, [ask("a", 0 + 1)], now=T0)
+    (lid,) = lease_ids(reply)
+    (r1,) = sem.run_round(KEY, [sync("a", leases=[(lid, 3, 1, True)])], now=T0 + 1)
+    assert r1["leases"][0]["status"] == "retired"
+    assert sem.usage(KEY, now=T0 + 1).lease_footprint == 2
+    (r2,) = sem.run_round(KEY, [sync("a", leases=[(lid, 3, 3, True)])], now=T0 + 2)
+    assert [le["status"] for le in r2["leases"]] == ["settled"]
+    assert sem.usage(KEY, now=T0 + 2).lease_footprint == 0
+    # A repeated final report of a settled lease frees nothing more.
+    (r3,) = sem.run_round(KEY, [sync("a", leases=[(lid, 3, 3, True)])], now=T0 + 3)
+    assert r3["leases"][0]["status"] == "settled"
+
+
+def test_unreported_lease_retires_after_ttl_and_stays_counted(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10), leases=Leases(Strict(), permits_per_lease=8, ttl=60.0))
+    (reply,) = sem.run_round(KEY, [ask("a", 1)], now=T0)
+    (lid,) = lease_ids(reply)
+    sem.run_round(KEY, [sync("a", leases=[(lid, 2, 0, False)])], now=T0 + 30)  # heartbeat
+    assert sem.usage(KEY, now=T0 + 89).lease_footprint == 8
+    (other,) = sem.run_round(KEY, [request("b", [(None, 10, 5.0)])], now=T0 + 90)
+    assert granted(other) == 2  # round 1's unclaimed grant was reclaimed; the lease still counts
+    assert sem.usage(KEY, now=T0 + 90).lease_footprint == 8  # retired, unconfirmed: in full
+    (late,) = sem.run_round(KEY, [sync("a", leases=[(lid, 5, 1, True)])], now=T0 + 91)
+    assert late["leases"][0]["status"] == "retired"
+    assert sem.usage(KEY, now=T0 + 91).lease_footprint == 4
+
+
+def test_contended_reply_when_demand_is_left(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(4), leases=Leases(Strict()))
+    (a,) = sem.run_round(KEY, [ask("a", 1)], now=T0)
+    assert not a["contended"] and leased(a) == 3
+    (b,) = sem.run_round(KEY, [ask("b", 2)], now=T0 + 2)
+    assert b["contended"] and blocked(b) == {None: ("limit", 2)}
+
+
+def test_report_for_unknown_lease_is_retired_and_charged_that_round(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(4), leases=Leases(Strict()))
+    stray, other = sem.run_round(KEY, [
+        sync("a", leases=[("never-issued", 3, 0, False)]),
+        request("b", [(None, 4, 1.0)]),
+    ], now=T0)
+    assert stray["leases"][0]["status"] == "retired"
+    assert granted(other) == 1
+    (done,) = sem.run_round(KEY, [sync("a", leases=[("never-issued", 3, 3, True)])], now=T0 + 1)
+    assert done["leases"][0]["status"] == "settled"
+
+
+def test_lowering_the_limit_retires_leases(make_semaphore: Any) -> None:
+    limits = Limits(10)
+    sem = make_semaphore(limits, leases=Leases(Strict()))
+    (reply,) = sem.run_round(KEY, [ask("a", 1)], now=T0)
+    (lid,) = lease_ids(reply)
+    limits.value = 8
+    (r1,) = sem.run_round(KEY, [sync("a", leases=[(lid, 1, 0, False)])], now=T0 + 1)
+    assert [le["status"] for le in r1["leases"]] == ["retired"]
+    assert sem.usage(KEY, now=T0 + 1).lease_footprint == 9  # in full until confirmed
+
+
+def test_a_group_losing_eligibility_retires_its_leases(make_semaphore: Any) -> None:
+    limits = Limits(10)
+    sem = make_semaphore(limits, leases=Leases(Strict()))
+    (reply,) = sem.run_round(KEY, [ask("a", 1, group="w")], now=T0)
+    limits.groups["w"] = 5
+    (r1,) = sem.run_round(KEY, [sync("a")], now=T0 + 1)
+    assert [le["status"] for le in r1["leases"]] == ["retired"]
+
+
+def test_drawn_permits_are_one_shot_at_the_holder(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10), leases=Leases(Strict(), permits_per_lease=3))
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 0, 1.0), ("x", 1, 1.0)],
+                                           supports_leases=True)], now=T0)
+    (lid,) = lease_ids(reply)
+    # Releasing everything drawn does not make the lease drawable past its permits.
+    (r1,) = sem.run_round(KEY, [sync("a", leases=[(lid, 3, 3, False)])], now=T0 + 1)
+    (r2,) = sem.run_round(KEY, [sync("a", leases=[(lid, 5, 5, False)])], now=T0 + 2)
+    assert (r2["leases"][0]["drawn"], r2["leases"][0]["released"]) == (3, 3)
+    assert r1["leases"][0]["status"] == "active"

@@ -1,0 +1,98 @@
+# Bad input gets a clear error naming the field and changes nothing; the
+# other messages of the same round are served as if it had not been there.
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from core_harness import KEY, Limits, granted, request, sync
+
+from durability_celery.core.config import Leases, Over, RoundConfig, Strict, Under
+from durability_celery.errors import ConfigurationError
+
+T0 = 1_000.0
+
+
+def good() -> dict[str, Any]:
+    return request("a", [(None, 1, 1.0)])
+
+
+def with_(**changes: Any) -> dict[str, Any]:
+    return good() | changes
+
+
+BAD = [
+    ("not-a-dict", ["type", "request"], "message"),
+    ("wrong-type", with_(type="grab"), "type"),
+    ("wrong-version", with_(v=2), "v"),
+    ("bool-version", with_(v=True), "v"),
+    ("other-semaphore", with_(semaphore="nope"), "semaphore"),
+    ("other-key", with_(key="acct-7"), "key"),
+    ("no-client", {k: v for k, v in good().items() if k != "client_id"}, "client_id"),
+    ("empty-client", with_(client_id=""), "client_id"),
+    ("negative-count", with_(demand=[{"group": None, "count": -1, "oldest_at": 1.0}]),
+     "demand[0].count"),
+    ("huge-count", with_(demand=[{"group": None, "count": 10**12, "oldest_at": 1.0}]),
+     "demand[0].count"),
+    ("float-count", with_(demand=[{"group": None, "count": 1.5, "oldest_at": 1.0}]),
+     "demand[0].count"),
+    ("nan-time", with_(demand=[{"group": None, "count": 1, "oldest_at": float("nan")}]),
+     "demand[0].oldest_at"),
+    ("duplicate-group", with_(demand=[{"group": "g", "count": 1, "oldest_at": 1.0}] * 2),
+     "demand[1].group"),
+    ("demand-not-list", with_(demand={"group": None}), "demand"),
+    ("released-over-claimed", with_(grants=[{"grant_id": "x", "claimed": 1, "released": 2}]),
+     "grants[0].released"),
+    ("lease-stopped-not-bool",
+     with_(leases=[{"lease_id": "l", "drawn": 1, "released": 0, "stopped": "yes"}]),
+     "leases[0].stopped"),
+    ("sync-with-demand", sync("a") | {"demand": [{"group": None, "count": 1, "oldest_at": 1}]},
+     "demand"),
+]
+
+
+@pytest.mark.parametrize(("message", "field"), [(m, f) for _, m, f in BAD],
+                         ids=[name for name, _, _ in BAD])
+def test_bad_message_gets_an_error_naming_the_field(
+    make_semaphore: Any, message: Any, field: str
+) -> None:
+    sem = make_semaphore(Limits(3))
+    bad, fine = sem.run_round(KEY, [message, request("b", [(None, 3, 1.0)])], now=T0)
+    assert set(bad) == {"v", "error"} and bad["error"]["code"] == "invalid_message"
+    assert bad["error"]["message"].startswith(field)
+    assert granted(fine) == 3
+    assert sem.usage(KEY, now=T0).outstanding == 3
+
+
+def test_another_clients_ids_are_rejected_and_change_nothing(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(4), leases=Leases(Strict()))
+    (mine,) = sem.run_round(KEY, [request("a", [(None, 2, 1.0)], supports_leases=True)], now=T0)
+    gid = mine["grants"][0]["grant_id"]
+    lid = mine["leases"][0]["lease_id"]
+    before = sem.usage(KEY, now=T0 + 1)
+    thief_g, thief_l = sem.run_round(KEY, [
+        sync("b", grants=[(gid, 2, 2)]), sync("b", leases=[(lid, 2, 2, True)])
+    ], now=T0 + 1)
+    assert thief_g["error"]["message"].startswith("grants[0].grant_id")
+    assert thief_l["error"]["message"].startswith("leases[0].lease_id")
+    assert sem.usage(KEY, now=T0 + 1) == before
+
+
+@pytest.mark.parametrize(
+    ("build", "setting"),
+    [
+        (lambda: RoundConfig("s", grant_timeout=0), "grant_timeout"),
+        (lambda: RoundConfig("s", round_wait=-1), "round_wait"),
+        (lambda: RoundConfig("", grant_timeout=1), "semaphore name"),
+        (lambda: Leases(permits_per_lease=0), "Leases.permits_per_lease"),
+        (lambda: Leases(ttl=0.5), "Leases.ttl"),
+        (lambda: Leases(limited_groups="all"), "Leases.limited_groups"),  # type: ignore[arg-type]
+        (lambda: Under(reserve=-1), "Under.reserve"),
+        (lambda: Over(), "Over needs exactly one"),
+        (lambda: Over(extra=1, ratio=0.5), "Over needs exactly one"),
+        (lambda: Over(ratio=float("inf")), "Over.ratio"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_setting(build: Any, setting: str) -> None:
+    with pytest.raises(ConfigurationError, match=setting):
+        build()
