@@ -167,6 +167,7 @@ def test_a_group_losing_eligibility_retires_its_leases(make_semaphore: Any) -> N
     limits = Limits(10)
     sem = make_semaphore(limits, leases=Leases(Strict()))
     (reply,) = sem.run_round(KEY, [ask("a", 1, group="w")], now=T0)
+    assert [le["status"] for le in reply["leases"]] == ["active"]
     limits.groups["w"] = 5
     (r1,) = sem.run_round(KEY, [sync("a")], now=T0 + 1)
     assert [le["status"] for le in r1["leases"]] == ["retired"]
