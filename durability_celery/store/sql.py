@@ -123,11 +123,13 @@ def load(conn: Connection, semaphore: str, key: str) -> KeyState:
     """The state of (semaphore, key) for a round: its key row is inserted if missing and
     locked to commit before grants and leases are read, so a concurrent round for the
     same key waits here and then reads what that round committed."""
-    # On SQLite this write is also what takes the database write lock when the
-    # engine was not prepared (legacy sqlite3 only BEGINs before DML).
-    _insert_key_if_missing(conn, semaphore, key)
     state = read(conn, semaphore, key, lock=True)
-    assert state is not None  # the row was just ensured, and rows are never deleted here
+    if state is None:
+        # First round of this key. Two first rounds racing both insert; the
+        # loser's insert does nothing (PostgreSQL waits for the winner's commit).
+        _insert_key_if_missing(conn, semaphore, key)
+        state = read(conn, semaphore, key, lock=True)
+    assert state is not None  # the row exists now, and nothing here deletes key rows
     return state
 
 
