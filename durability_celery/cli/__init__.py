@@ -1,0 +1,1 @@
+# The `durability-celery` command: demo, usage, migrate, holder (see main.py).

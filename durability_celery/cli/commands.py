@@ -1,0 +1,214 @@
+# The small commands of the CLI (usage, migrate, holder) and how the CLI finds
+# its semaphores: the user's Celery module (--app) or worker_config's
+# environment variables. Rule: reading configuration never starts anything and
+# never creates files; only `migrate` writes.
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError, DurabilityError
+from ..semaphore import DurabilitySemaphore
+
+
+def describe_error(exc: BaseException) -> str | None:
+    """One line for an error the user can act on; None for a bug (let it raise)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if isinstance(exc, DurabilityError):
+        return str(exc)
+    if isinstance(exc, SQLAlchemyError):
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        return f"database unreachable or failing: {detail[0] if detail else type(exc).__name__}"
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    kombu_error = _broker_error(exc)
+    if kombu_error:
+        return kombu_error
+    return None
+
+
+def _broker_error(exc: BaseException) -> str | None:
+    try:
+        from kombu.exceptions import OperationalError
+    except ImportError:  # pragma: no cover - kombu is a dependency
+        return None
+    if isinstance(exc, OperationalError):
+        return f"broker unreachable: {exc}"
+    return None
+
+
+# --------------------------------------------------------------------------
+# where the semaphores come from
+
+
+def _import_app(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import --app {spec!r}: {exc}") from None
+    for name in ([attr] if attr else ["app", "celery"]):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ConfigurationError(f"--app {spec!r}: the module has no Celery app (app or celery)")
+
+
+@contextmanager
+def semaphores_from(args: argparse.Namespace) -> Iterator[dict[str, DurabilitySemaphore]]:
+    """The configured semaphores; those built here are closed afterwards."""
+    if getattr(args, "app", None):
+        from ..app import durability_for
+
+        yield dict(durability_for(_import_app(args.app)).semaphores)
+        return
+    from worker_config.env import build_semaphore, load_config
+
+    env = dict(os.environ)
+    if args.database:
+        env["DURABILITY_DATABASE_URL"] = args.database
+    config = load_config(env)
+    built: dict[str, DurabilitySemaphore] = {
+        spec.name: build_semaphore(spec, config.database_url) for spec in config.semaphores
+    }
+    try:
+        yield built
+    finally:
+        for sem in built.values():
+            sem.close()
+
+
+def database_url_of(args: argparse.Namespace) -> str:
+    if getattr(args, "app", None):
+        with semaphores_from(args) as sems:
+            if not sems:
+                raise ConfigurationError(f"--app {args.app!r} configures no semaphores")
+            return next(iter(sems.values())).engine.url.render_as_string(hide_password=False)
+    from worker_config.env import load_config
+
+    env = dict(os.environ)
+    if args.database:
+        env["DURABILITY_DATABASE_URL"] = args.database
+    return load_config(env).database_url
+
+
+# --------------------------------------------------------------------------
+# migrate
+
+
+def migrate_command(args: argparse.Namespace) -> int:
+    url = database_url_of(args)
+    path = _sqlite_path(url)
+    if path is not None and not args.drop:
+        path.parent.mkdir(parents=True, exist_ok=True)  # the embedded default's folder
+    DurabilitySemaphore.migrate(url, None if args.drop else _latest())
+    shown = _hide_password(url)
+    print(f"schema {'removed from' if args.drop else 'up to date in'} {shown}")
+    return 0
+
+
+def _latest() -> int:
+    from ..store import SCHEMA_VERSION
+
+    return SCHEMA_VERSION
+
+
+def _hide_password(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+# --------------------------------------------------------------------------
+# usage
+
+
+def usage_command(args: argparse.Namespace) -> int:
+    with semaphores_from(args) as sems:
+        if args.semaphore not in sems:
+            known = ", ".join(sorted(sems)) or "none (set DURABILITY_SEMAPHORES or use --app)"
+            raise ConfigurationError(f"unknown semaphore {args.semaphore!r} (configured: {known})")
+        sem = sems[args.semaphore]
+        _require_schema(sem)
+        found = sem.usage(args.key)
+    if args.json:
+        print(json.dumps(found.to_dict(), indent=2, sort_keys=True))
+    else:
+        from rich.console import Console
+
+        from .view import usage_table
+
+        Console().print(usage_table(found))
+    return 0
+
+
+def _sqlite_path(url: str) -> Path | None:
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return None
+    return None if parsed.database == ":memory:" else Path(parsed.database)
+
+
+def _require_schema(sem: DurabilitySemaphore) -> None:
+    from sqlalchemy import inspect
+
+    from ..store import keys
+
+    path = _sqlite_path(sem.engine.url.render_as_string(hide_password=False))
+    if path is not None and not path.exists():
+        raise ConfigurationError(
+            f"no database at {path}: run `durability-celery migrate` first")
+    try:
+        with sem.engine.connect() as conn:
+            present = inspect(conn).has_table(keys.name)
+    except Exception as exc:
+        message = describe_error(exc)
+        if message is None:
+            raise
+        raise ConfigurationError(message) from None
+    if not present:
+        raise ConfigurationError(
+            "the database has no durability schema: run `durability-celery migrate` first")
+
+
+# --------------------------------------------------------------------------
+# holder
+
+
+def holder_command(args: argparse.Namespace) -> int:
+    from ..routing import control_queue
+
+    prefix = _queue_prefix(args.app)
+    extra = list(args.celery_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    cmd = [sys.executable, "-m", "celery", "-A", args.app, "worker", "--durability-holder",
+           "-Q", control_queue(prefix), "--concurrency", "1"]
+    if args.shards:
+        cmd += ["--durability-shards", args.shards]
+    cmd += extra
+    if args.print_only:
+        print(" ".join(cmd[1:]).replace("-m celery", "celery", 1))
+        return 0
+    sys.stdout.flush()
+    os.execvp(cmd[0], cmd)
+    return 0  # pragma: no cover - exec does not return
+
+
+def _queue_prefix(app_spec: str) -> str:
+    if app_spec.partition(":")[0] == "worker_config":
+        from worker_config.env import load_config
+
+        return load_config(dict(os.environ)).settings.queue_prefix
+    from ..app import durability_for
+
+    return durability_for(_import_app(app_spec)).settings.queue_prefix

@@ -1,0 +1,118 @@
+# The `durability-celery` command (also `python -m durability_celery`): demo,
+# usage, migrate, holder. Rule: an error the user can fix (database or broker
+# unreachable, unknown semaphore, bad configuration) prints ONE line on stderr
+# and exits 1, never a traceback.
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..errors import DurabilityError
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_FAILED_VERDICT = 2
+
+
+def _add_source_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-A", "--app", metavar="MODULE",
+        help="your Celery module (module or module:attr) with a Durability configuration; "
+        "default: worker_config, configured by DURABILITY_* environment variables",
+    )
+    parser.add_argument(
+        "--database", metavar="URL",
+        help="database URL (overrides DURABILITY_DATABASE_URL; ignored with --app)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="durability-celery",
+        description="One shared concurrency budget per key across every Celery worker.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="run a live demo: holder, two client workers, beat")
+    demo.add_argument("--broker", metavar="URL",
+                      help="broker URL, e.g. redis://127.0.0.1:6379/0 or "
+                      "amqp://guest@127.0.0.1//  (default: embedded filesystem broker)")
+    demo.add_argument("--database", metavar="URL",
+                      help="database URL, e.g. postgresql://postgres@127.0.0.1/test "
+                      "(default: a SQLite file in the demo's folder)")
+    demo.add_argument("--headless", action="store_true",
+                      help="plain progress lines instead of the live view (for CI and logs)")
+    demo.add_argument("--tasks", type=int, default=90, metavar="N",
+                      help="tasks to publish (default 90: about a minute)")
+    demo.add_argument("--home", metavar="DIR",
+                      help="folder for the demo's files (default: a new temporary folder)")
+    demo.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS",
+                      help="give up waiting for tasks after this long (default 240)")
+    demo.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    demo.add_argument("--snapshot-svg", metavar="PATH", help=argparse.SUPPRESS)
+
+    usage = commands.add_parser("usage", help="the holder's usage of one key")
+    usage.add_argument("semaphore")
+    usage.add_argument("key")
+    usage.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_source_options(usage)
+
+    migrate = commands.add_parser("migrate", help="create or upgrade the database schema")
+    migrate.add_argument("--drop", action="store_true", help="remove the schema instead")
+    _add_source_options(migrate)
+
+    holder = commands.add_parser(
+        "holder", help="start a holder worker (runs celery ... worker --durability-holder)")
+    holder.add_argument("-A", "--app", metavar="MODULE", default="worker_config",
+                        help="your Celery module (default: worker_config)")
+    holder.add_argument("--shards", metavar="SHARDS",
+                        help="holder shards to serve, e.g. 0-7 (default: all)")
+    holder.add_argument("--print", dest="print_only", action="store_true",
+                        help="print the celery command instead of running it")
+    holder.add_argument("celery_args", nargs=argparse.REMAINDER,
+                        help="more `celery worker` options, after --")
+    return parser
+
+
+def run(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    if args.command == "usage":
+        from .commands import usage_command
+
+        return usage_command(args)
+    if args.command == "migrate":
+        from .commands import migrate_command
+
+        return migrate_command(args)
+    from .commands import holder_command
+
+    return holder_command(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run a command; user-fixable errors become one line and exit 1."""
+    from .commands import describe_error
+
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("durability-celery: interrupted", file=sys.stderr)
+        return 130
+    except (DurabilityError, OSError) as exc:
+        print(f"durability-celery: error: {describe_error(exc) or exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        message = describe_error(exc)
+        if message is None:
+            raise
+        print(f"durability-celery: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

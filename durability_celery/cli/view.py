@@ -1,0 +1,162 @@
+# How the CLI draws things with rich: the usage table, the demo's live view
+# (one table per account plus a progress bar) and its verdict. Rule: rendering
+# only; every number shown comes from a Snapshot or Verdict built elsewhere.
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from ..core.usage import Usage
+
+
+def _group_name(group: str | None) -> str:
+    return "(no group)" if group is None else group
+
+
+def usage_table(found: Usage) -> Table:
+    """`durability-celery usage`: the key's budget, per group, and blocked demand."""
+    limit = "?" if found.limit is None else str(found.limit)
+    table = Table(
+        title=f"{found.semaphore} / {found.key}: {found.in_use} in use of {limit} "
+        f"({found.grants} grants, {found.leases} leases)",
+        title_justify="left",
+    )
+    for column in ("group", "outstanding", "lease footprint", "group limit", "blocked"):
+        table.add_column(column, justify="left" if column in ("group", "blocked") else "right")
+    blocked = {b.group: f"{b.reason} ({b.queued} queued)" for b in found.blocked}
+    groups = {g.group: g for g in found.groups}
+    for group in sorted({*groups, *blocked}, key=lambda g: (g is not None, g or "")):
+        usage = groups.get(group)
+        table.add_row(
+            _group_name(group),
+            str(usage.outstanding) if usage else "0",
+            str(usage.lease_footprint) if usage else "0",
+            "-" if usage is None or usage.limit is None else str(usage.limit),
+            blocked.get(group, ""),
+        )
+    table.add_row("total", str(found.outstanding), str(found.lease_footprint),
+                  limit, "", style="bold")
+    return table
+
+
+@dataclass
+class GroupView:
+    group: str | None
+    running: int
+    ceiling: int | None
+    blocked: str | None
+
+
+@dataclass
+class AccountView:
+    """One account in the live view (ledger numbers and the holder's numbers)."""
+
+    account: str
+    limit: int
+    running: int
+    queued: int
+    done: int
+    total: int
+    peak: int
+    in_use: int | None = None
+    leases: int = 0
+    lease_footprint: int = 0
+    groups: list[GroupView] = field(default_factory=list)
+
+
+@dataclass
+class Snapshot:
+    title: str
+    elapsed: float
+    done: int
+    total: int
+    accounts: list[AccountView]
+
+
+def _account_table(view: AccountView) -> Table:
+    style = "red bold" if view.running > view.limit else "green"
+    table = Table(show_header=True, header_style="dim", expand=True, box=None)
+    for column in ("workflow", "running", "ceiling", "blocked"):
+        table.add_column(column, justify="right" if column in ("running", "ceiling") else "left")
+    for group in view.groups:
+        table.add_row(
+            _group_name(group.group), str(group.running),
+            "-" if group.ceiling is None else str(group.ceiling),
+            Text(group.blocked or "", style="yellow"),
+        )
+    in_use = "?" if view.in_use is None else str(view.in_use)
+    header = Text.assemble(
+        ("running ", "dim"), (f"{view.running}/{view.limit}", style),
+        ("  peak ", "dim"), (str(view.peak), "red bold" if view.peak > view.limit else "bold"),
+        ("  queued ", "dim"), (str(view.queued), "bold"),
+        ("\nholder: in use ", "dim"), (in_use, "bold"),
+        ("  leases ", "dim"), (f"{view.leases} ({view.lease_footprint} permits)", "bold"),
+        ("  done ", "dim"), (f"{view.done}/{view.total}", "bold"),
+    )
+    bar = ProgressBar(total=max(view.limit, 1), completed=min(view.running, view.limit), width=30)
+    outer = Table.grid()
+    outer.add_row(header)
+    outer.add_row(bar)
+    outer.add_row(table)
+    return outer
+
+
+def live_view(snapshot: Snapshot) -> RenderableType:
+    """The demo's live frame: one panel per account, then the whole run's progress."""
+    panels = [
+        Panel(_account_table(view), title=f"[bold]{view.account}[/] limit {view.limit}",
+              title_align="left")
+        for view in snapshot.accounts
+    ]
+    progress = Table.grid(padding=(0, 1))
+    progress.add_row(
+        Text(f"{snapshot.done}/{snapshot.total} tasks", style="bold"),
+        ProgressBar(total=max(snapshot.total, 1), completed=snapshot.done, width=50),
+        Text(f"{snapshot.elapsed:5.1f}s", style="dim"),
+    )
+    return Group(Text(snapshot.title, style="bold cyan"), *panels, progress)
+
+
+def headless_line(snapshot: Snapshot) -> str:
+    """One plain line per tick for --headless."""
+    parts = [f"[{snapshot.elapsed:5.1f}s] done {snapshot.done}/{snapshot.total}"]
+    for view in snapshot.accounts:
+        blocked = ",".join(sorted({g.blocked for g in view.groups if g.blocked}))
+        parts.append(
+            f"{view.account} run {view.running}/{view.limit} q {view.queued}"
+            + (f" blocked:{blocked}" if blocked else "")
+        )
+    return " | ".join(parts)
+
+
+@dataclass
+class Check:
+    what: str
+    peak: int
+    limit: int
+
+    @property
+    def ok(self) -> bool:
+        return self.peak <= self.limit
+
+
+def verdict_table(checks: Sequence[Check], *, published: int, run: int, lost: int,
+                  duplicates: int, passed: bool) -> RenderableType:
+    table = Table(title="Verdict (from the independent ledger)", title_justify="left")
+    for column in ("budget", "peak concurrency", "limit", "ok"):
+        table.add_column(column, justify="left" if column == "budget" else "right")
+    for check in checks:
+        table.add_row(check.what, str(check.peak), str(check.limit),
+                      Text("yes", style="green") if check.ok else Text("NO", style="red bold"))
+    summary = Text.assemble(
+        f"tasks published {published}, run {run}, lost {lost}, run twice {duplicates}\n",
+        ("PASSED: no budget was exceeded and no task was lost" if passed
+         else "FAILED", "bold green" if passed else "bold red"),
+    )
+    return Group(table, summary)
