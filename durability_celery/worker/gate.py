@@ -81,6 +81,8 @@ class GateState:
     """Admitted, unreleased item -> semaphore name."""
     in_flight: dict[tuple[str, str], _InFlight] = field(default_factory=dict)
     raised: int = 0
+    admitted_from: dict[str, int] = field(default_factory=lambda: {"lease": 0, "grant": 0})
+    """Permits this worker has used, by source: drawn from a lease, claimed from a grant."""
 
 
 def item_id(request: Any) -> str:
@@ -246,6 +248,7 @@ class Gate:
             self.clients[semaphore].release(permit.item_id)
             return 0
         self.state.running[permit.item_id] = semaphore
+        self.state.admitted_from[permit.source] += 1
         instrument(request, permit.item_id, self.release)
         self.hooks.handoff(request)
         return 1

@@ -50,7 +50,10 @@ def _stamp_headers(sender: Any = None, body: Any = None, headers: Any = None,
     if not isinstance(headers, dict) or HEADER_SEMAPHORE in headers:
         return
     for app in list(_apps):
-        task = app._tasks.get(sender)
+        try:
+            task = app.tasks.get(sender)  # finalizes a lazy app, as a first task use would
+        except DurabilityError:
+            continue  # another app with a broken task definition: not ours to report
         if isinstance(task, AdmittedTask) and isinstance(body, tuple | list) and len(body) >= 2:
             try:
                 headers.update(task.admission().headers(body[0] or (), body[1] or {}))

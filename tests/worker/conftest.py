@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -82,12 +83,13 @@ class Cluster:
         name = f"max:{key}" if group is None else f"max:{key}:{group}"
         return int(self.ledger.get(name) or 0)
 
-    def wait_for(self, what: str, check: Callable[[], bool], *, timeout: float) -> None:
+    def wait_for(self, what: str, check: Callable[[], bool], *, timeout: float,
+                 context: Callable[[], str] = str) -> None:
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- {p.name} ---\n{p.log()[-3000:]}" for p in self.workers)
-                pytest.fail(f"timed out waiting for {what}\n{logs}", pytrace=False)
+                pytest.fail(f"timed out waiting for {what}: {context()}\n{logs}", pytrace=False)
             time.sleep(0.1)
 
     def usage_zero(self, key: str) -> bool:
@@ -95,7 +97,9 @@ class Cluster:
         return usage.outstanding == 0 and usage.lease_footprint == 0
 
     def inspect_held(self) -> dict[str, Any]:
-        replies = self.app.control.broadcast("durability_held", reply=True, timeout=2.0)
+        # Every worker answers (the holder too): stop waiting once all have.
+        replies = self.app.control.broadcast("durability_held", reply=True, timeout=2.0,
+                                             limit=len(self.processes.procs))
         merged: dict[str, Any] = {}
         for reply in replies:
             merged.update(reply)
@@ -131,6 +135,13 @@ def cluster_factory(processes: Processes, gate_database: str
     try:
         yield make
     finally:
+        # Clients first, all at once, so their warm shutdowns (and final reports,
+        # which need the holder) overlap; then the holder.
+        clients = [p for p in processes.procs if p.name == "client"]
+        for proc in clients:
+            proc.signal(signal.SIGTERM)
+        for proc in clients:
+            proc.stop(timeout=15)
         processes.stop_all()
         for cluster in made:
             cluster.semaphore.close()
