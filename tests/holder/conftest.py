@@ -3,6 +3,7 @@
 # holder worker subprocesses that are always killed at the end of the test.
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import uuid
@@ -16,19 +17,19 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from conftest import Proc, Processes, create_postgres_database, filesystem_broker  # noqa: E402
 from holder_app import CONFIG_ENV, make_app  # noqa: E402
 
 from durability_celery.app import Durability  # noqa: E402
 from durability_celery.client.blocking import BlockingClient  # noqa: E402
 from durability_celery.semaphore import DurabilitySemaphore  # noqa: E402
-from conftest import Proc, Processes, create_postgres_database, filesystem_broker  # noqa: E402
 
 REDIS_DB = 1
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def holder_pg_url() -> Iterator[str]:
-    """This module's own PostgreSQL database (dropped at the end)."""
+    """The holder tests' own PostgreSQL database (dropped at the end)."""
     url, drop = create_postgres_database(prefix="dc_holder")
     try:
         yield url
@@ -97,19 +98,15 @@ class HolderRig:
 
     def close(self) -> None:
         for client in self.clients:
-            try:
+            with contextlib.suppress(Exception):
                 client._disconnect()
-            except Exception:
-                pass
 
 
 def semaphore_config(name: str, database: str, **options: Any) -> dict[str, Any]:
     return {"name": name, "database": database, **options}
 
 
-@pytest.fixture
-def make_rig(processes: Processes) -> Iterator[Callable[..., HolderRig]]:
-    rigs: list[HolderRig] = []
+def _rig_factory(processes: Processes, rigs: list[HolderRig]) -> Callable[..., HolderRig]:
 
     def make(backend: Backend, semaphores: list[dict[str, Any]],
              settings: dict[str, Any] | None = None) -> HolderRig:
@@ -123,10 +120,59 @@ def make_rig(processes: Processes) -> Iterator[Callable[..., HolderRig]]:
         rigs.append(rig)
         return rig
 
+    return make
+
+
+def _close_rigs(rigs: list[HolderRig]) -> None:
+    for rig in rigs:
+        rig.close()
+        for semaphore in rig.durability.semaphores.values():
+            semaphore.close()
+
+
+@pytest.fixture
+def make_rig(processes: Processes) -> Iterator[Callable[..., HolderRig]]:
+    """`make_rig(backend, [semaphore_config(...)], settings)`: holders die with the test."""
+    rigs: list[HolderRig] = []
     try:
-        yield make
+        yield _rig_factory(processes, rigs)
     finally:
-        for rig in rigs:
-            rig.close()
-            for semaphore in rig.durability.semaphores.values():
-                semaphore.close()
+        _close_rigs(rigs)
+
+
+SHARED_SEMAPHORES: dict[str, dict[str, Any]] = {
+    # one holder serves every test that only needs a running holder; each test
+    # has its own semaphore settings here and its own keys
+    "batch": {"limit": 20, "round_wait": 1.0, "round_period": 1.5},
+    "many": {"limit": 2, "round_wait": 0.05, "round_period": 0.1, "grant_timeout": 5.0},
+    "period": {"limit": 5, "round_wait": 0.05, "round_period": 0.6},
+    "alarm": {"limit": 3, "round_wait": 0.05, "round_period": 0.1, "grant_timeout": 1.5},
+}
+
+
+@pytest.fixture(scope="session", params=["redis+postgresql", "filesystem+sqlite"])
+def shared_rig(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[HolderRig]:
+    """One holder worker per backend for the whole module (worker start-up costs ~5 s)."""
+    from conftest import _redis_ping_flush, reset_postgres
+
+    tmp = tmp_path_factory.mktemp("shared-holder")
+    if request.param == "redis+postgresql":
+        url: str = request.getfixturevalue("holder_pg_url")
+        reset_postgres(url)
+        backend = Backend(request.param, {"broker_url": _redis_ping_flush(REDIS_DB)}, url)
+    else:
+        backend = Backend(request.param, filesystem_broker(tmp), f"sqlite:///{tmp / 'd.db'}")
+    (tmp / "logs").mkdir()
+    processes = Processes(tmp / "logs")
+    rigs: list[HolderRig] = []
+    try:
+        rig = _rig_factory(processes, rigs)(backend, [
+            semaphore_config(name, backend.database, **options)
+            for name, options in SHARED_SEMAPHORES.items()
+        ])
+        rig.start_holder(name="shared-holder")
+        yield rig
+    finally:
+        processes.stop_all()
+        _close_rigs(rigs)

@@ -9,8 +9,8 @@ from typing import Any
 
 from celery import Celery
 
-from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.app import Durability
+from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.settings import DurabilitySettings
 
 CONFIG_ENV = "DC_HOLDER_TEST_CONFIG"

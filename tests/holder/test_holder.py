@@ -2,6 +2,7 @@
 # subprocess, real brokers and databases, BlockingClients talking to it.
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -11,18 +12,15 @@ import pytest
 
 from durability_celery.client.blocking import BlockingClient
 
-from .conftest import Backend, HolderRig, semaphore_config
+from .conftest import HolderRig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def test_concurrent_clients_inside_one_round_wait_get_one_round(
-        backend: Backend, make_rig: Any) -> None:
-    rig: HolderRig = make_rig(backend, [semaphore_config(
-        "jobs", backend.database, limit=20, round_wait=1.0, round_period=1.5)])
-    rig.start_holder()
+def test_concurrent_clients_inside_one_round_wait_get_one_round(shared_rig: HolderRig) -> None:
+    rig = shared_rig
     key = f"acct-{uuid.uuid4().hex[:6]}"
-    clients = [rig.client(timeout=10.0) for _ in range(10)]
+    clients = [rig.client("batch", timeout=10.0) for _ in range(10)]
     for c in clients:
         c._connect()  # connect first, so all requests leave together
     replies: dict[int, dict[str, Any]] = {}
@@ -46,6 +44,106 @@ def test_concurrent_clients_inside_one_round_wait_get_one_round(
         assert [g["permits"] for g in reply["grants"]] == [1], reply
     grant_ids = {r["grants"][0]["grant_id"] for r in replies.values()}
     assert len(grant_ids) == 10
-    state = rig.semaphore().state(key)
+    state = rig.semaphore("batch").state(key)
     assert state.rounds == 1
     assert sorted(g.grant_id for g in state.grants) == sorted(grant_ids)
+
+
+class Concurrency:
+    """Permits held at once per key, as the clients see them (invariant 1)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.admitted = 0
+
+    def enter(self, key: str) -> None:
+        with self.lock:
+            self.now[key] = self.now.get(key, 0) + 1
+            self.peak[key] = max(self.peak.get(key, 0), self.now[key])
+            self.admitted += 1
+
+    def leave(self, key: str) -> None:
+        with self.lock:
+            self.now[key] -= 1
+
+
+def run_workers(clients: list[tuple[BlockingClient, str]], *, rounds: int | None,
+                until: float | None = None, hold: float = 0.05,
+                acquire_timeout: float = 30.0) -> tuple[Concurrency, list[BaseException]]:
+    """Each client loops acquire/hold/release on its key, in its own thread."""
+    seen = Concurrency()
+    errors: list[BaseException] = []
+
+    def work(client: BlockingClient, key: str) -> None:
+        n = 0
+        try:
+            while (rounds is None or n < rounds) and (until is None or time.monotonic() < until):
+                with client.permit(key, timeout=acquire_timeout):
+                    seen.enter(key)
+                    time.sleep(hold)
+                    seen.leave(key)
+                n += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=pair, daemon=True) for pair in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return seen, errors
+
+
+def wait_until(check: Any, *, timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(step)
+    return bool(check())
+
+
+def test_many_clients_on_many_keys_stay_within_the_limit(shared_rig: HolderRig) -> None:
+    rig = shared_rig
+    keys = [f"k{n}-{uuid.uuid4().hex[:4]}" for n in range(6)]
+    assert len({rig.durability.queue_for("many", k) for k in keys}) > 1  # several shards
+    pairs = [(rig.client("many", timeout=5.0), key) for key in keys for _ in range(3)]
+    seen, errors = run_workers(pairs, rounds=3)
+    assert errors == []
+    assert seen.admitted == 6 * 3 * 3
+    assert max(seen.peak.values()) <= 2, seen.peak
+    assert all(client.close(timeout=10.0) for client, _ in pairs)
+    sem = rig.semaphore("many")
+    for key in keys:
+        assert sem.usage(key).outstanding == 0, (key, sem.state(key))
+
+
+def test_rounds_of_one_key_are_round_period_apart(shared_rig: HolderRig) -> None:
+    rig = shared_rig
+    client = rig.client("period", timeout=5.0)
+    key = f"acct-{uuid.uuid4().hex[:6]}"
+    times = [client.request(key)["round_at"] for _ in range(4)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert all(gap >= 0.6 - 1e-6 for gap in gaps), gaps
+    assert all(gap < 1.2 for gap in gaps), gaps  # and not much more than that
+    assert rig.semaphore("period").state(key).rounds == 4
+
+
+def test_the_deadline_timer_reclaims_with_no_traffic(shared_rig: HolderRig) -> None:
+    rig = shared_rig
+    client = rig.client("alarm", timeout=5.0)
+    key = f"acct-{uuid.uuid4().hex[:6]}"
+    for n in range(2):
+        client.client.enqueue(key, None, f"item-{n}", enqueued_at=time.time())
+    reply = client.request(key)
+    granted_at = time.time()
+    assert [g["permits"] for g in reply["grants"]] == [2]
+    client._disconnect()  # the client goes silent and never claims
+    sem = rig.semaphore("alarm")
+    assert sem.usage(key).outstanding == 2
+    assert wait_until(lambda: sem.usage(key).outstanding == 0, timeout=6.0), sem.state(key)
+    elapsed = time.time() - granted_at
+    assert 1.4 <= elapsed <= 4.0, elapsed
+    assert sem.state(key).rounds == 1  # no round ran: the holder's alarm reclaimed
