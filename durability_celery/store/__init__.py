@@ -1,7 +1,8 @@
 # The SQL store: tables, migrations and one locked transaction per round.
 # Rule: it holds no allocation policy; the pure core decides, the store persists.
+from .engine import create_engine, prepare_engine, transaction
 from .schema import SCHEMA_VERSION, grants, keys, leases, metadata, migrate
-from .sql import all_keys, create_engine, deadlines, load, prepare_engine, read, save, transaction
+from .sql import all_keys, deadlines, load, read, save
 
 __all__ = [
     # schema

@@ -1,122 +1,73 @@
-# The SQL store: engines, one transaction per round with the key row locked,
-# and rows <-> KeyState. Rule: this module keeps no policy; it loads a key's
-# state under a lock, and `save` writes exactly the difference the pure core
-# produced, in the same transaction, before the caller may answer anyone.
+# Rows <-> KeyState for one round. Rule: this module keeps no policy; `load`
+# locks the key row before reading grants and leases, and `save` writes exactly
+# the difference the pure core produced, in the caller's transaction, before
+# anyone may be answered. Statements are built once, at import: a round only
+# binds parameters.
 from __future__ import annotations
 
 import json
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import Engine, bindparam, delete, event, insert, select, update
+from sqlalchemy import String, bindparam, delete, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection, RowMapping, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.engine import Connection
 
 from ..core.round import Blocked, KeyState
 from ..core.state import Grant, Lease
-from ..errors import ConfigurationError, InfrastructureError
 from .schema import grants, keys, leases
 
-SUPPORTED_DIALECTS = ("sqlite", "postgresql")
-DEFAULT_BUSY_TIMEOUT = 30.0
-"""Seconds a SQLite connection waits for another round's write lock before failing."""
+GRANT_COLUMNS = tuple(f.name for f in fields(Grant))
+LEASE_COLUMNS = tuple(f.name for f in fields(Lease))
+"""Column names are the dataclass field names (one vocabulary), in field order."""
 
-_DELETE_CHUNK = 500  # ids per DELETE ... IN (...), well under SQLite's variable limit
-
-_prepared: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Engine:
-    """An engine for `url`; `postgresql://` is served by psycopg 3, SQLite runs in WAL mode."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise ConfigurationError(f"database: not a database URL: {url!r}") from exc
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    if parsed.get_backend_name() not in SUPPORTED_DIALECTS:
-        raise ConfigurationError(
-            f"database: {parsed.get_backend_name()!r} is not supported (use sqlite or postgresql)"
-        )
-    try:
-        if parsed.get_backend_name() == "sqlite":
-            engine = sa.create_engine(parsed, connect_args={"timeout": busy_timeout})
-        else:
-            # A holder outlives database restarts: test pooled connections first.
-            engine = sa.create_engine(parsed, pool_pre_ping=True)
-    except (ArgumentError, ImportError) as exc:
-        raise ConfigurationError(f"database: cannot create an engine for {url!r}: {exc}") from exc
-    return prepare_engine(engine, busy_timeout=busy_timeout)
+_DELETE_CHUNK = 500  # ids per DELETE ... IN (...) on SQLite, well under its variable limit
+_COPY_FROM = 4  # rows from which PostgreSQL inserts use COPY instead of INSERT
 
 
-def prepare_engine(engine: Engine, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Engine:
-    """Make `engine` fit for rounds (idempotent); on SQLite, install WAL and BEGIN handling."""
-    if engine.dialect.name not in SUPPORTED_DIALECTS:
-        raise ConfigurationError(
-            f"database: {engine.dialect.name!r} is not supported (use sqlite or postgresql)"
-        )
-    if engine.dialect.name == "sqlite" and engine not in _prepared:
-        _install_sqlite_hooks(engine, busy_timeout)
-        _prepared.add(engine)
-    return engine
+def _of_key(table: sa.Table) -> sa.ColumnElement[bool]:
+    return sa.and_(table.c.semaphore == bindparam("b_semaphore"),
+                   table.c.key == bindparam("b_key"))
 
 
-def _install_sqlite_hooks(engine: Engine, busy_timeout: float) -> None:
-    # Python's sqlite3 would BEGIN lazily (only before DML), so a round's reads
-    # could run outside its transaction. We emit BEGIN ourselves instead, and
-    # BEGIN IMMEDIATE for writing transactions: that takes the write lock first,
-    # so rounds for any key serialize and a read-then-write never deadlocks.
-    def on_connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
-        cursor.close()
+class _Statements:
+    """The statements of one grant/lease table, built once."""
 
-    def on_begin(conn: Connection) -> None:
-        write = conn.get_execution_options().get("durability_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+    def __init__(self, table: sa.Table, id_column: str, columns: tuple[str, ...],
+                 order: str) -> None:
+        ident = table.c[id_column]
+        self.table = table
+        self.id_column = id_column
+        self.columns = columns
+        self.select = (select(*(table.c[c] for c in columns)).where(_of_key(table))
+                       .order_by(table.c[order], ident))
+        # SET columns come from each parameter set's keys.
+        self.update = update(table).where(_of_key(table), ident == bindparam("b_id"))
+        self.delete_any = delete(table).where(
+            _of_key(table), ident == sa.any_(bindparam("b_ids", type_=postgresql.ARRAY(String))))
+        self.delete_in = delete(table).where(
+            _of_key(table), ident.in_(bindparam("b_ids", expanding=True)))
+        self.copy_columns = [c.name for c in table.columns]
 
-    event.listen(engine, "connect", on_connect)
-    event.listen(engine, "begin", on_begin)
 
-
-@contextmanager
-def transaction(engine: Engine, *, write: bool) -> Iterator[Connection]:
-    """One transaction; commits on success. A database failure raises InfrastructureError.
-
-    `write=True` is a round's transaction (BEGIN IMMEDIATE on SQLite); a read
-    transaction on PostgreSQL runs REPEATABLE READ so grants and leases are one
-    snapshot.
-    """
-    try:
-        with engine.connect() as conn:
-            if write:
-                conn.execution_options(durability_write=True)
-            elif conn.dialect.name == "postgresql":
-                conn.execution_options(isolation_level="REPEATABLE READ")
-            with conn.begin():
-                yield conn
-    except SQLAlchemyError as exc:
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        raise InfrastructureError(f"database error ({type(exc).__name__}): {detail}") from exc
+_GRANTS = _Statements(grants, "grant_id", GRANT_COLUMNS, "created_at")
+_LEASES = _Statements(leases, "lease_id", LEASE_COLUMNS, "issued_at")
+_SELECT_KEY = select(keys.c.last_round_at, keys.c.rounds, keys.c.limit, keys.c.blocked) \
+    .where(_of_key(keys))
+_SELECT_KEY_LOCKED = _SELECT_KEY.with_for_update()
+_UPDATE_KEY = update(keys).where(_of_key(keys))
+_NEW_KEY = {"rounds": 0, "blocked": "[]"}
 
 
 # --- loading ---------------------------------------------------------------
 
 
 def _insert_key_if_missing(conn: Connection, semaphore: str, key: str) -> None:
-    values = {"semaphore": semaphore, "key": key, "rounds": 0, "blocked": "[]"}
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    conn.execute(dialect.insert(keys).values(**values).on_conflict_do_nothing())
-
-
-def _key_clause(table: sa.Table, semaphore: str, key: str) -> sa.ColumnElement[bool]:
-    return sa.and_(table.c.semaphore == semaphore, table.c.key == key)
+    row = {"semaphore": semaphore, "key": key, **_NEW_KEY}
+    conn.execute(dialect.insert(keys).values(**row).on_conflict_do_nothing())
 
 
 def load(conn: Connection, semaphore: str, key: str) -> KeyState:
@@ -137,49 +88,22 @@ def read(conn: Connection, semaphore: str, key: str, *, lock: bool = False) -> K
     """The state of (semaphore, key), or None when it has no key row; never inserts.
 
     With `lock`, the key row stays locked (FOR UPDATE) until the transaction ends.
+    Grants come ordered by (created_at, grant_id), leases by (issued_at, lease_id).
     """
-    query = select(keys).where(_key_clause(keys, semaphore, key))
-    if lock:
-        query = query.with_for_update()
-    row = conn.execute(query).mappings().first()
+    params = {"b_semaphore": semaphore, "b_key": key}
+    row = conn.execute(_SELECT_KEY_LOCKED if lock else _SELECT_KEY, params).first()
     if row is None:
         return None
-    grant_rows = conn.execute(
-        select(grants).where(_key_clause(grants, semaphore, key))
-        .order_by(grants.c.created_at, grants.c.grant_id)
-    ).mappings()
-    lease_rows = conn.execute(
-        select(leases).where(_key_clause(leases, semaphore, key))
-        .order_by(leases.c.issued_at, leases.c.lease_id)
-    ).mappings()
+    last_round_at, rounds, limit, blocked = row
     return KeyState(
         semaphore=semaphore,
         key=key,
-        grants=tuple(_grant(r) for r in grant_rows),
-        leases=tuple(_lease(r) for r in lease_rows),
-        last_round_at=row["last_round_at"],
-        rounds=row["rounds"],
-        limit=row["limit"],
-        blocked=_blocked_from_json(row["blocked"]),
-    )
-
-
-def _grant(row: RowMapping) -> Grant:
-    return Grant(
-        grant_id=row["grant_id"], client_id=row["client_id"], group=row["group"],
-        permits=row["permits"], claimed=row["claimed"], released=row["released"],
-        created_at=row["created_at"], claim_deadline=row["claim_deadline"],
-        status=row["status"],
-    )
-
-
-def _lease(row: RowMapping) -> Lease:
-    return Lease(
-        lease_id=row["lease_id"], client_id=row["client_id"], group=row["group"],
-        permits=row["permits"], drawn=row["drawn"], released=row["released"],
-        issued_at=row["issued_at"], last_report_at=row["last_report_at"],
-        status=row["status"], confirmed=bool(row["confirmed"]),
-        issued_limit=row["issued_limit"], issued_group_limit=row["issued_group_limit"],
+        grants=tuple(Grant(*r) for r in conn.execute(_GRANTS.select, params)),
+        leases=tuple(Lease(*r) for r in conn.execute(_LEASES.select, params)),
+        last_round_at=last_round_at,
+        rounds=rounds,
+        limit=limit,
+        blocked=_blocked_from_json(blocked),
     )
 
 
@@ -195,42 +119,57 @@ def _blocked_to_json(blocked: Sequence[Blocked]) -> str:
 # --- saving ----------------------------------------------------------------
 
 
-def _grant_row(grant: Grant) -> dict[str, Any]:
-    return {
-        "client_id": grant.client_id, "group": grant.group, "permits": grant.permits,
-        "claimed": grant.claimed, "released": grant.released, "created_at": grant.created_at,
-        "claim_deadline": grant.claim_deadline, "status": grant.status,
-    }
+def _insert(conn: Connection, stmts: _Statements, rows: list[dict[str, Any]]) -> None:
+    # On PostgreSQL, COPY writes a round's new grants about five times faster
+    # than an executemany of INSERTs (measured: 100 rows 1.6 ms vs 8 ms); it
+    # runs on the same DBAPI connection, so inside the round's transaction.
+    if conn.dialect.name != "postgresql" or len(rows) < _COPY_FROM:
+        conn.execute(insert(stmts.table), rows)
+        return
+    quote = conn.dialect.identifier_preparer.quote
+    names = ", ".join(quote(c) for c in stmts.copy_columns)
+    statement = f"COPY {quote(stmts.table.name)} ({names}) FROM STDIN"
+    dbapi: Any = conn.connection.dbapi_connection
+    with dbapi.cursor() as cursor, cursor.copy(statement) as copy:
+        for row in rows:
+            copy.write_row([row[c] for c in stmts.copy_columns])
 
 
-def _lease_row(lease: Lease) -> dict[str, Any]:
-    return {
-        "client_id": lease.client_id, "group": lease.group, "permits": lease.permits,
-        "drawn": lease.drawn, "released": lease.released, "issued_at": lease.issued_at,
-        "last_report_at": lease.last_report_at, "status": lease.status,
-        "confirmed": lease.confirmed, "issued_limit": lease.issued_limit,
-        "issued_group_limit": lease.issued_group_limit,
-    }
+def _delete(conn: Connection, stmts: _Statements, where: dict[str, str], ids: list[str]) -> None:
+    if conn.dialect.name == "postgresql":
+        conn.execute(stmts.delete_any, {**where, "b_ids": ids})
+        return
+    for start in range(0, len(ids), _DELETE_CHUNK):
+        conn.execute(stmts.delete_in, {**where, "b_ids": ids[start:start + _DELETE_CHUNK]})
 
 
-def _write_diff(conn: Connection, table: sa.Table, id_column: str, semaphore: str, key: str,
-                old: Mapping[str, dict[str, Any]], new: Mapping[str, dict[str, Any]]) -> bool:
+def _write_diff(conn: Connection, stmts: _Statements, where: dict[str, str],
+                old: Sequence[Grant] | Sequence[Lease],
+                new: Sequence[Grant] | Sequence[Lease]) -> bool:
     """Insert, update and delete rows of one table by id; True if anything was written."""
-    inserted = [{"semaphore": semaphore, "key": key, id_column: i, **row}
-                for i, row in new.items() if i not in old]
-    updated = [{"b_id": i, **row} for i, row in new.items() if i in old and old[i] != row]
-    deleted = [i for i in old if i not in new]
-    ident = table.c[id_column]
+    old_by_id = {getattr(item, stmts.id_column): item for item in old}
+    new_ids = set()
+    inserted: list[dict[str, Any]] = []
+    updated: list[dict[str, Any]] = []
+    for item in new:
+        ident = getattr(item, stmts.id_column)
+        new_ids.add(ident)
+        before = old_by_id.get(ident)
+        if before == item:
+            continue
+        row = {c: getattr(item, c) for c in stmts.columns}
+        if before is None:
+            inserted.append({"semaphore": where["b_semaphore"], "key": where["b_key"], **row})
+        else:
+            del row[stmts.id_column]
+            updated.append({**where, "b_id": ident, **row})
+    deleted = [ident for ident in old_by_id if ident not in new_ids]
     if inserted:
-        conn.execute(insert(table), inserted)
+        _insert(conn, stmts, inserted)
     if updated:
-        # Key columns are bound literally; the varying id comes from each row.
-        stmt = (update(table).where(_key_clause(table, semaphore, key))
-                .where(ident == bindparam("b_id")))
-        conn.execute(stmt, updated)
-    for start in range(0, len(deleted), _DELETE_CHUNK):
-        chunk = deleted[start:start + _DELETE_CHUNK]
-        conn.execute(delete(table).where(_key_clause(table, semaphore, key), ident.in_(chunk)))
+        conn.execute(stmts.update, updated)
+    if deleted:
+        _delete(conn, stmts, where, deleted)
     return bool(inserted or updated or deleted)
 
 
@@ -250,23 +189,13 @@ def save(conn: Connection, old: KeyState, new: KeyState, *, now: float | None = 
     """
     if (old.semaphore, old.key) != (new.semaphore, new.key):
         raise ValueError("save: old and new state belong to different keys")
-    semaphore, key = new.semaphore, new.key
-    changed = _write_diff(
-        conn, grants, "grant_id", semaphore, key,
-        {g.grant_id: _grant_row(g) for g in old.grants},
-        {g.grant_id: _grant_row(g) for g in new.grants},
-    )
-    changed |= _write_diff(
-        conn, leases, "lease_id", semaphore, key,
-        {lease.lease_id: _lease_row(lease) for lease in old.leases},
-        {lease.lease_id: _lease_row(lease) for lease in new.leases},
-    )
+    where = {"b_semaphore": new.semaphore, "b_key": new.key}
+    changed = _write_diff(conn, _GRANTS, where, old.grants, new.grants)
+    changed |= _write_diff(conn, _LEASES, where, old.leases, new.leases)
     row = _key_row(new)
     if changed or row != _key_row(old):
-        conn.execute(
-            update(keys).where(_key_clause(keys, semaphore, key))
-            .values(**row, updated_at=now if now is not None else new.last_round_at)
-        )
+        stamp = now if now is not None else new.last_round_at
+        conn.execute(_UPDATE_KEY, {**where, **row, "updated_at": stamp})
 
 
 # --- queries for the holder's timer and beat -------------------------------

@@ -167,3 +167,27 @@ def test_postgresql_url_uses_psycopg(postgres_url: str) -> None:
             assert conn.exec_driver_sql("SELECT 1").scalar() == 1
     finally:
         engine.dispose()
+
+
+def test_many_rows_round_trip(engine: sa.Engine) -> None:
+    # Enough rows for PostgreSQL's COPY path, with every nullable and typed field varied.
+    grants = tuple(
+        Grant(f"g-{i}", f"c-{i % 3}", None if i % 2 else f"wf-{i}", 5, i % 6, min(i % 6, 2),
+              1764450000.0 + i / 7, 1764450010.0 + i / 3, "expired" if i % 4 == 0 else "active")
+        for i in range(25)
+    )
+    leases = tuple(
+        Lease(f"l-{i}", f"c-{i % 3}", None if i % 2 else "wf", 64, i, i // 2,
+              1764450000.0 + i / 9, 1764450001.0 + i / 11,
+              status="retired" if i % 3 == 0 else "active", confirmed=i % 5 == 0,
+              issued_limit=i, issued_group_limit=None if i % 2 else i + 1)
+        for i in range(25)
+    )
+    state = KeyState("accounts", "many", grants=grants, leases=leases, rounds=2)
+    with store.transaction(engine, write=True) as conn:
+        store.save(conn, store.load(conn, "accounts", "many"), state)
+    assert _load_fresh(engine, "accounts", "many") == state
+    fewer = replace(state, grants=grants[::2], leases=leases[1::2], rounds=3)
+    with store.transaction(engine, write=True) as conn:
+        store.save(conn, store.load(conn, "accounts", "many"), fewer)
+    assert _load_fresh(engine, "accounts", "many") == fewer

@@ -1,0 +1,100 @@
+# Engines and transactions of the SQL store. Rule: a round's transaction
+# serializes with every other round of its key before it reads anything
+# (SQLite: BEGIN IMMEDIATE; PostgreSQL: the key row lock taken in store.sql),
+# and any database failure leaves as InfrastructureError after a rollback.
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Engine, event
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from ..errors import ConfigurationError, InfrastructureError
+
+SUPPORTED_DIALECTS = ("sqlite", "postgresql")
+DEFAULT_BUSY_TIMEOUT = 30.0
+"""Seconds a SQLite connection waits for another round's write lock before failing."""
+
+_prepared: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Engine:
+    """An engine for `url`; `postgresql://` is served by psycopg 3, SQLite runs in WAL mode."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigurationError(f"database: not a database URL: {url!r}") from exc
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    backend = parsed.get_backend_name()
+    if backend not in SUPPORTED_DIALECTS:
+        raise ConfigurationError(
+            f"database: {backend!r} is not supported (use sqlite or postgresql)"
+        )
+    try:
+        if backend == "sqlite":
+            engine = sa.create_engine(parsed, connect_args={"timeout": busy_timeout})
+        else:
+            # A holder outlives database restarts: test pooled connections first.
+            engine = sa.create_engine(parsed, pool_pre_ping=True)
+    except (ArgumentError, ImportError) as exc:
+        raise ConfigurationError(f"database: cannot create an engine for {url!r}: {exc}") from exc
+    return prepare_engine(engine, busy_timeout=busy_timeout)
+
+
+def prepare_engine(engine: Engine, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Engine:
+    """Make `engine` fit for rounds (idempotent); on SQLite, install WAL and BEGIN handling."""
+    if engine.dialect.name not in SUPPORTED_DIALECTS:
+        raise ConfigurationError(
+            f"database: {engine.dialect.name!r} is not supported (use sqlite or postgresql)"
+        )
+    if engine.dialect.name == "sqlite" and engine not in _prepared:
+        _install_sqlite_hooks(engine, busy_timeout)
+        _prepared.add(engine)
+    return engine
+
+
+def _install_sqlite_hooks(engine: Engine, busy_timeout: float) -> None:
+    # Python's sqlite3 would BEGIN lazily (only before DML), so a round's reads
+    # could run outside its transaction. We emit BEGIN ourselves instead, and
+    # BEGIN IMMEDIATE for writing transactions: that takes the write lock first,
+    # so rounds serialize and a read-then-write never fails to upgrade its lock.
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        cursor.close()
+
+    def on_begin(conn: Connection) -> None:
+        write = conn.get_execution_options().get("durability_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    event.listen(engine, "connect", on_connect)
+    event.listen(engine, "begin", on_begin)
+
+
+@contextmanager
+def transaction(engine: Engine, *, write: bool) -> Iterator[Connection]:
+    """One transaction; commits on success. A database failure raises InfrastructureError.
+
+    `write=True` is a round's transaction (BEGIN IMMEDIATE on SQLite); a read
+    transaction on PostgreSQL runs REPEATABLE READ so grants and leases are one
+    snapshot.
+    """
+    try:
+        with engine.connect() as conn:
+            if write:
+                conn.execution_options(durability_write=True)
+            elif conn.dialect.name == "postgresql":
+                conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                yield conn
+    except SQLAlchemyError as exc:
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise InfrastructureError(f"database error ({type(exc).__name__}): {detail}") from exc
