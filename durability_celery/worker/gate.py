@@ -83,6 +83,7 @@ class GateState:
     raised: int = 0
     admitted_from: dict[str, int] = field(default_factory=lambda: {"lease": 0, "grant": 0})
     """Permits this worker has used, by source: drawn from a lease, claimed from a grant."""
+    released: int = 0
 
 
 def item_id(request: Any) -> str:
@@ -261,6 +262,7 @@ class Gate:
             semaphore = self.state.running.pop(item, None)
             if semaphore is None:
                 return
+            self.state.released += 1
             self.clients[semaphore].release(item)
         self.hooks.wake()
 

@@ -40,6 +40,7 @@ def describe(gate: Gate) -> dict[str, Any]:
         return {"held": len(gate.state.held), "running": len(gate.state.running),
                 "max_held": gate.max_held, "hold_deadline": gate.hold_deadline,
                 "admitted_from": dict(gate.state.admitted_from),
+                "released": gate.state.released,
                 "keys": rows}
 
 

@@ -1,0 +1,65 @@
+# Every ending path of an admitted task releases its permit exactly once:
+# success, exception, retry (the retried message queues for a new permit), soft
+# and hard time limits, revoke while held and while running, and a pool child
+# that dies mid-task. Shown by the holder's usage returning to zero and by the
+# gate's own count: releases equal admissions, nothing left running.
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.worker.conftest import Cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+
+def gate_counts(cluster: Cluster) -> dict[str, Any]:
+    return next(reply for name, reply in cluster.inspect_held().items()
+                if name.startswith("client"))
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_every_ending_releases_once(cluster_factory: Callable[..., Cluster], pool: str) -> None:
+    cluster = cluster_factory(limits={"end": 2})
+    cluster.start(clients=1, pool=pool, concurrency=3)
+    task = cluster.admitted
+
+    def send(mode: str, work: float = 0.1, **options: Any) -> str:
+        return str(task.apply_async(kwargs={"account": "end", "work": work, "mode": mode},
+                                    **options).id)
+
+    # Two long tasks take the whole limit, so the next one is held.
+    # Threads cannot be killed: there the long task ends by itself.
+    long_id = send("ok", work=30.0 if pool == "prefork" else 4.0)
+    blocker = send("ok", work=2.5)
+    held = send("ok")
+    cluster.wait_for("both long tasks to start",
+                     lambda: {long_id, blocker} <= set(cluster.starts()), timeout=20)
+    cluster.app.control.revoke(held)                          # revoked while held
+    if pool == "prefork":                                     # threads cannot be killed
+        cluster.app.control.revoke(long_id, terminate=True)   # revoked while running
+    expected = {long_id: 1, blocker: 1,
+                send("ok"): 1, send("raise"): 1, send("retry"): 2}
+    if pool == "prefork":  # time limits and lost children exist only in prefork
+        expected[send("soft", soft_time_limit=0.5)] = 1
+        expected[send("hard", time_limit=1.0)] = 1
+        expected[send("exit")] = 1
+
+    def all_started() -> bool:
+        return all(cluster.starts().get(i, 0) >= n for i, n in expected.items())
+
+    cluster.wait_for("every task to start", all_started, timeout=30,
+                     context=lambda: f"starts {cluster.starts()}")
+    if pool == "threads":
+        cluster.wait_for("the long task", lambda: long_id in cluster.ends(), timeout=10)
+    cluster.wait_for("holder usage back to zero", lambda: cluster.usage_zero("end"),
+                     timeout=20, context=lambda: str(cluster.semaphore.usage("end")))
+    starts = cluster.starts()
+    assert held not in starts, "a task revoked while held never runs"
+    assert {i: starts.get(i) for i in expected} == expected
+    counts = gate_counts(cluster)
+    admitted = sum(counts["admitted_from"].values())
+    assert counts["running"] == 0 and counts["held"] == 0
+    assert counts["released"] == admitted == sum(expected.values())
