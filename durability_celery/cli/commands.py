@@ -51,6 +51,8 @@ def _broker_error(exc: BaseException) -> str | None:
 
 def _import_app(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `celery -A`: your module lives where you are
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -1,0 +1,191 @@
+# The small CLI commands against real databases: migrate / migrate --drop,
+# usage (table and JSON), holder; and their error paths, which must print one
+# line on stderr, exit 1 and never show a traceback.
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from durability_celery.cli.main import main
+from durability_celery.semaphore import DurabilitySemaphore
+
+pytestmark = pytest.mark.timeout(120)
+SEMAPHORES = json.dumps({"accounts": {"limit": 3, "keys": {"big": 9}, "groups": {"export": 1}}})
+
+
+def subprocess_cli(*args: str, env: dict[str, str] | None = None,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m durability_celery ...` in a child process (the real entry point)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("DURABILITY_")}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "durability_celery", *args], env=full,
+                          cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
+    """`main(argv)` in this process (fast); env and cwd restored after the test."""
+
+    def run(*args: str, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        for name in list(os.environ):
+            if name.startswith("DURABILITY_"):
+                monkeypatch.delenv(name)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        code = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+    return run
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], fragment: str) -> None:
+    assert done.returncode == 1, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("durability-celery: error: ")
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def tables(url: str) -> set[str]:
+    engine = sa.create_engine(url)
+    try:
+        return set(sa.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_migrate_and_drop(cli: Any, database_url: str) -> None:
+    done = cli("migrate", "--database", database_url)
+    assert done.returncode == 0, done.stderr
+    assert "schema up to date" in done.stdout
+    assert {"durability_semaphore_grants", "durability_semaphore_leases"} <= tables(database_url)
+    assert cli("migrate", "--database", database_url).returncode == 0  # idempotent
+    done = cli("migrate", "--drop", "--database", database_url)
+    assert done.returncode == 0 and "removed" in done.stdout
+    assert not any(t.startswith("durability_") for t in tables(database_url))
+
+
+def test_migrate_embedded_default_creates_its_folder(cli: Any, tmp_path: Path) -> None:
+    done = cli("migrate", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / ".durability" / "durability.db").exists()
+
+
+def test_usage_json_and_table(cli: Any, database_url: str) -> None:
+    sem = DurabilitySemaphore("accounts", database=database_url, limit=9,
+                              group_limit=lambda key, group: 1 if group == "export" else None)
+    sem.migrate()
+    sem.run_round("big", [{
+        "type": "request", "v": 1, "semaphore": "accounts", "key": "big", "client_id": "c1",
+        "demand": [{"group": "export", "count": 3, "oldest_at": 1.0},
+                   {"group": None, "count": 2, "oldest_at": 1.0}],
+        "grants": [], "leases": [], "supports_leases": False}])
+    sem.close()
+    env = {"DURABILITY_SEMAPHORES": SEMAPHORES, "DURABILITY_DATABASE_URL": database_url}
+    done = cli("usage", "accounts", "big", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert (found["limit"], found["outstanding"], found["grants"]) == (9, 3, 2)
+    groups = {g["group"]: g for g in found["groups"]}
+    assert groups["export"]["outstanding"] == 1 and groups["export"]["limit"] == 1
+    assert found["blocked"] == [{"group": "export", "reason": "group_limit", "queued": 2}]
+    table = cli("usage", "accounts", "big", env={**env, "COLUMNS": "120"})
+    assert table.returncode == 0, table.stderr
+    assert "accounts / big: 3 in use of 9" in table.stdout
+    assert "group_limit (2 queued)" in table.stdout
+
+
+def test_usage_with_app_module(cli: Any, database_url: str, tmp_path: Path) -> None:
+    module = f"myapp_{os.urandom(4).hex()}"
+    (tmp_path / f"{module}.py").write_text(
+        "from celery import Celery\n"
+        "from durability_celery.app import Durability\n"
+        "from durability_celery.semaphore import DurabilitySemaphore\n"
+        "app = Celery('myapp')\n"
+        f"Durability(app, [DurabilitySemaphore('jobs', database={database_url!r}, limit=5)])\n")
+    DurabilitySemaphore.migrate(database_url)
+    done = cli("usage", "jobs", "k", "--json", "--app", module, cwd=tmp_path)
+    sys.modules.pop(module, None)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["limit"] == 5
+
+
+def test_unknown_semaphore(cli: Any, sqlite_url: str) -> None:
+    env = {"DURABILITY_SEMAPHORES": SEMAPHORES, "DURABILITY_DATABASE_URL": sqlite_url}
+    done = cli("usage", "nope", "k", env=env)
+    one_line_error(done, "unknown semaphore 'nope'")
+    one_line_error(done, "configured: accounts")
+
+
+def test_database_unreachable(cli: Any) -> None:
+    url = "postgresql://postgres@127.0.0.1:1/none"
+    one_line_error(cli("migrate", "--database", url), "database unreachable")
+    env = {"DURABILITY_SEMAPHORES": SEMAPHORES}
+    one_line_error(cli("usage", "accounts", "k", "--database", url, env=env),
+                   "database unreachable")
+
+
+def test_database_without_schema(cli: Any, database_url: str, tmp_path: Path) -> None:
+    env = {"DURABILITY_SEMAPHORES": SEMAPHORES, "DURABILITY_DATABASE_URL": database_url}
+    if database_url.startswith("sqlite"):
+        one_line_error(cli("usage", "accounts", "k", env=env), "run `durability-celery migrate`")
+        sa.create_engine(database_url).connect().close()  # an empty file now
+    one_line_error(cli("usage", "accounts", "k", env=env), "no durability schema")
+
+
+def test_bad_configuration_is_one_line(cli: Any) -> None:
+    one_line_error(cli("usage", "a", "k", env={"DURABILITY_SEMAPHORES": "a=x"}),
+                   "DURABILITY_SEMAPHORES")
+    one_line_error(cli("migrate", "--database", "nonsense"), "DURABILITY_DATABASE_URL")
+    one_line_error(cli("usage", "a", "k", "--app", "no_such_module_xyz"), "cannot import")
+
+
+def test_demo_with_unreachable_broker(cli: Any, tmp_path: Path) -> None:
+    done = subprocess_cli("demo", "--headless", "--broker", "redis://127.0.0.1:1/0",
+               "--home", str(tmp_path / "demo"))
+    one_line_error(done, "broker unreachable")
+    assert not (tmp_path / "demo" / "logs" / "holder.log").exists()  # nothing was started
+
+
+def test_holder_prints_the_exact_command(cli: Any) -> None:
+    done = cli("holder", "--print", "--shards", "0-3", "--", "--loglevel", "INFO",
+               env={"DURABILITY_QUEUE_PREFIX": "acme"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "celery -A worker_config worker --durability-holder -Q acme.holder.control "
+        "--concurrency 1 --durability-shards 0-3 --loglevel INFO")
+
+
+@pytest.mark.integration
+def test_holder_starts_a_holder_worker(processes: Any, tmp_path: Path) -> None:
+    env = {"DURABILITY_HOME": str(tmp_path / "home"), "DURABILITY_SEMAPHORES": "a=1",
+           "DURABILITY_QUEUE_PREFIX": "cliholder"}
+    proc = processes.spawn([sys.executable, "-m", "durability_celery", "holder", "--",
+                            "--loglevel", "INFO", "--pool", "solo"],
+                           name="holder", env=env, cwd=tmp_path)
+    proc.wait_for_log(r"\bready\.", timeout=60)
+    log = proc.log()
+    assert "durability holder" in log.lower()
+    assert "cliholder.holder.control" in log
+
+
+def test_help_and_entry_point(cli: Any) -> None:
+    done = subprocess_cli("--help")
+    assert done.returncode == 0
+    for command in ("demo", "usage", "migrate", "holder"):
+        assert command in done.stdout
+    script = Path(sys.executable).parent / "durability-celery"
+    assert script.exists(), "pip install -e . installs the durability-celery script"
