@@ -299,6 +299,25 @@ def test_late_replies_never_resurrect_what_was_forgotten_or_stopped() -> None:
     assert client.admit() == []
 
 
+def test_a_repeated_old_reply_cannot_hand_out_a_used_grant_again() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    old = reply(clock.now, grants=[grant("g1", permits=1, claim_deadline=clock.now + 10)])
+    client.on_response(KEY, old)
+    client.admit()
+    client.release("t1")
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now + 0.5, grants=[
+        grant("g1", permits=1, claimed=1, released=1, claim_deadline=clock.now + 10)]))
+    assert client.settled()  # done and reported: forgotten
+    client.on_response(KEY, old)  # the first reply, delivered again
+    client.enqueue(KEY, None, "t2", enqueued_at=2.0)
+    assert client.admit() == []
+    assert grant_reports(client.message(KEY)) == {}
+
+
 def test_stop_reports_every_lease_stopped_and_admits_nothing() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, permits=4)

@@ -1,0 +1,271 @@
+# Property test of SemaphoreClient alone: hypothesis drives random sequences of
+# enqueue / cancel / admit / release / stop, a small fake holder that answers
+# with random grants, leases, expiries, retirements and contention, and a wire
+# that loses, repeats and reorders replies. Whatever happens, the client never
+# admits an item twice, never uses more permits of a grant or lease than the
+# holder issued, never claims inside the claim margin, never draws from a lease
+# the holder already holds a final count for, and its held()/running() match.
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from durability_celery.client import SemaphoreClient
+from durability_celery.core.messages import parse_request
+
+from .helpers import SEM, FakeClock
+
+KEYS = ("k1", "k2")
+GROUPS = (None, "g")
+MARGIN = 1.0
+GRANT_TIMEOUT = 6.0
+TTL = 20.0
+
+
+@dataclass
+class HGrant:
+    group: str | None
+    permits: int
+    issued: int
+    deadline: float
+    claimed: int = 0
+    released: int = 0
+    status: str = "active"
+
+
+@dataclass
+class HLease:
+    group: str | None
+    permits: int
+    last_report_at: float
+    drawn: int = 0
+    released: int = 0
+    status: str = "active"
+    confirmed: bool = False
+
+
+@dataclass
+class FakeHolder:
+    """Just enough of a holder: clamped high-water marks, reclaim, retire, settle."""
+
+    grants: dict[str, HGrant] = field(default_factory=dict)
+    leases: dict[str, HLease] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    """id -> key"""
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def apply(self, message: dict[str, Any], now: float) -> None:
+        for report in message["grants"]:
+            g = self.grants.get(report["grant_id"])
+            if g is not None:
+                g.claimed = max(g.claimed, min(report["claimed"], g.permits))
+                g.released = max(g.released, min(report["released"], g.claimed))
+        for report in message["leases"]:
+            le = self.leases.get(report["lease_id"])
+            if le is not None:
+                ceiling = le.drawn if le.confirmed else le.permits
+                le.drawn = max(le.drawn, min(report["drawn"], ceiling))
+                le.released = max(le.released, min(report["released"], le.drawn))
+                le.confirmed = le.confirmed or report["stopped"]
+                if report["stopped"]:
+                    le.status = "retired"
+                le.last_report_at = now
+
+    def issue(self, key: str, group: str | None, grant: int, lease: int, now: float) -> None:
+        if grant:
+            gid = f"g{next(self.ids)}"
+            self.grants[gid] = HGrant(group, grant, grant, now + GRANT_TIMEOUT)
+            self.keys[gid] = key
+        if lease:
+            lid = f"l{next(self.ids)}"
+            self.leases[lid] = HLease(group, lease, now)
+            self.keys[lid] = key
+
+    def tick(self, now: float) -> None:
+        for gid, g in list(self.grants.items()):
+            if g.status == "active" and g.claimed < g.permits and g.deadline <= now:
+                g.permits, g.status = g.claimed, "expired"
+            if g.claimed == g.released == g.permits:
+                del self.grants[gid]
+        for lid, le in list(self.leases.items()):
+            if le.status == "active" and now - le.last_report_at >= TTL:
+                le.status = "retired"
+            if le.status == "retired" and le.confirmed and le.drawn == le.released:
+                del self.leases[lid]
+
+    def answer(self, key: str, message: dict[str, Any], now: float, *,
+               contended: bool) -> dict[str, Any]:
+        grants = [
+            {"grant_id": gid, "group": g.group, "permits": g.permits, "claimed": g.claimed,
+             "released": g.released, "claim_deadline": g.deadline, "status": g.status}
+            for gid, g in self.grants.items() if self.keys[gid] == key]
+        leases = [
+            {"lease_id": lid, "group": le.group, "permits": le.permits, "drawn": le.drawn,
+             "released": le.released, "expires_at": le.last_report_at + TTL,
+             "status": le.status}
+            for lid, le in self.leases.items() if self.keys[lid] == key]
+        live = {g["grant_id"] for g in grants} | {le["lease_id"] for le in leases}
+        grants += [{"grant_id": r["grant_id"], "group": None, "permits": 0, "claimed": 0,
+                    "released": 0, "claim_deadline": None, "status": "not_found"}
+                   for r in message["grants"] if r["grant_id"] not in live]
+        leases += [{"lease_id": r["lease_id"], "group": None, "permits": 0, "drawn": 0,
+                    "released": 0, "expires_at": None, "status": "settled"}
+                   for r in message["leases"] if r["lease_id"] not in live]
+        return {"v": 1, "semaphore": SEM, "key": key, "round_at": now,
+                "next_request_at": now + 2.0, "contended": contended,
+                "grants": grants, "leases": leases, "blocked": []}
+
+
+class ClientMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock(1000.0)
+        self.client = SemaphoreClient(SEM, client_id="c1", clock=self.clock,
+                                      claim_margin=MARGIN, request_timeout=5.0)
+        self.holder = FakeHolder()
+        self.wire: list[tuple[str, dict[str, Any]]] = []
+        self.items = itertools.count()
+        self.queued: dict[str, tuple[str, str | None]] = {}
+        self.running: dict[str, tuple[str, str | None]] = {}
+        self.ever_admitted: set[str] = set()
+        self.used: dict[str, int] = {}
+
+    # -- the client queue ----------------------------------------------------
+
+    @rule(key=st.sampled_from(KEYS), group=st.sampled_from(GROUPS), age=st.floats(0, 50),
+          count=st.integers(1, 3))
+    def enqueue(self, key: str, group: str | None, age: float, count: int) -> None:
+        for _ in range(count):
+            item = f"i{next(self.items)}"
+            assert self.client.enqueue(key, group, item, enqueued_at=self.clock.now - age)
+            self.queued[item] = (key, group)
+
+    @precondition(lambda self: self.queued or self.running)
+    @rule(data=st.data())
+    def enqueue_again(self, data: st.DataObject) -> None:
+        item = data.draw(st.sampled_from(sorted([*self.queued, *self.running])))
+        assert not self.client.enqueue("k1", None, item, enqueued_at=0.0)
+
+    @precondition(lambda self: self.queued)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        item = data.draw(st.sampled_from(sorted(self.queued)))
+        assert self.client.cancel(item)
+        del self.queued[item]
+
+    @rule(limit=st.none() | st.integers(0, 3))
+    def admit(self, limit: int | None) -> None:
+        now = self.clock.now
+        for permit in self.client.admit(limit=limit):
+            assert permit.item_id in self.queued, "admitted an item that is not queued"
+            assert permit.item_id not in self.ever_admitted, "admitted twice"
+            assert (permit.key, permit.group) == self.queued.pop(permit.item_id)
+            self.ever_admitted.add(permit.item_id)
+            self.running[permit.item_id] = (permit.key, permit.group)
+            self.used[permit.source_id] = self.used.get(permit.source_id, 0) + 1
+            if permit.source == "grant":
+                g = self.holder.grants.get(permit.source_id)
+                issued = g.issued if g else 0
+                assert g is not None and now < g.deadline - MARGIN, "claimed inside the margin"
+                assert g.status == "active", "claimed from a grant the holder reclaimed"
+            else:
+                le = self.holder.leases.get(permit.source_id)
+                assert le is not None and not le.confirmed, "drew from a confirmed lease"
+                issued = le.permits
+            assert self.used[permit.source_id] <= issued, "more permits used than issued"
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        item = data.draw(st.sampled_from(sorted(self.running)))
+        assert self.client.release(item)
+        assert not self.client.release(item)
+        del self.running[item]
+
+    @rule()
+    def stop(self) -> None:
+        self.client.stop()
+
+    # -- the holder and the wire ---------------------------------------------
+
+    @rule(seconds=st.sampled_from([0.1, 0.5, 1.0, 2.0, 5.0, 12.0]))
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.holder.tick(self.clock.now)
+
+    @rule(data=st.data(), contended=st.booleans())
+    def send_due(self, data: st.DataObject, contended: bool) -> None:
+        now = self.clock.now
+        for key in self.client.due():
+            message = self.client.message(key)
+            request = parse_request(message, semaphore=SEM, key=key)
+            self.holder.apply(message, now)
+            for entry in request.demand:
+                self.holder.issue(key, entry.group,
+                                  data.draw(st.integers(0, entry.count)),
+                                  data.draw(st.sampled_from([0, 0, 1, 3])), now)
+            self.wire.append((key, self.holder.answer(key, message, now, contended=contended)))
+
+    @rule(data=st.data(), contended=st.booleans())
+    def roundtrip(self, data: st.DataObject, contended: bool) -> None:
+        """The common case: what is due is sent and answered at once, in order."""
+        waiting = len(self.wire)
+        self.send_due(data, contended)
+        while len(self.wire) > waiting:
+            key, response = self.wire.pop(waiting)
+            self.client.on_response(key, response)
+
+    @precondition(lambda self: self.wire)
+    @rule(data=st.data(), keep=st.booleans())
+    def deliver(self, data: st.DataObject, keep: bool) -> None:
+        """Any waiting reply, in any order; `keep` leaves a copy to deliver again."""
+        index = data.draw(st.integers(0, len(self.wire) - 1))
+        key, response = self.wire[index] if keep else self.wire.pop(index)
+        self.client.on_response(key, response)
+
+    @precondition(lambda self: self.wire)
+    @rule(data=st.data())
+    def lose(self, data: st.DataObject) -> None:
+        self.wire.pop(data.draw(st.integers(0, len(self.wire) - 1)))
+
+    @rule(key=st.sampled_from(KEYS))
+    def fail(self, key: str) -> None:
+        self.client.on_failure(key)
+
+    @rule(data=st.data())
+    def holder_retires_a_lease(self, data: st.DataObject) -> None:
+        active = sorted(lid for lid, le in self.holder.leases.items() if le.status == "active")
+        if active:
+            self.holder.leases[data.draw(st.sampled_from(active))].status = "retired"
+
+    # -- what must always hold -----------------------------------------------
+
+    @invariant()
+    def queue_and_running_match(self) -> None:
+        def counts(items: dict[str, tuple[str, str | None]]) -> dict[str, dict[str | None, int]]:
+            out: dict[str, dict[str | None, int]] = {}
+            for key, group in items.values():
+                out.setdefault(key, {})
+                out[key][group] = out[key].get(group, 0) + 1
+            return out
+
+        assert self.client.held() == counts(self.queued)
+        assert self.client.running() == counts(self.running)
+
+    @invariant()
+    def timing_is_sane(self) -> None:
+        at = self.client.next_due_at()
+        assert at is None or at == at  # never NaN
+        if self.client.stopped:
+            assert self.client.admit() == []
+
+
+ClientMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestClientMachine = ClientMachine.TestCase
