@@ -17,6 +17,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -145,7 +146,7 @@ def main() -> None:
     _app, durability = make_app(config)
     results_dir = ROOT / "benchmarks" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    log = results_dir / "holder-worker.log"
+    log = Path(tempfile.gettempdir()) / "bench-holder-worker.log"
     holder = None
     try:
         for semaphore in durability.semaphores.values():

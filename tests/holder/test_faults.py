@@ -145,6 +145,35 @@ def test_a_raw_garbage_entry_on_redis_does_not_stop_the_holder(
             assert time.monotonic() < deadline
     assert [g["permits"] for g in reply["grants"]] == [1]
     assert holder.popen.poll() is None
+    # a reply to a client that is gone does not leave a Redis key forever
+    gone = f"{rig.durability.settings.queue_prefix}.reply.gone-client"
+    client._connect()
+    client._producer.publish(
+        {"type": "sync", "v": 1, "semaphore": "batch", "key": key, "client_id": "gone"},
+        exchange="", routing_key=queue, reply_to=gone, correlation_id="c1", serializer="json")
+    server = redis.Redis.from_url(redis_pg_backend.broker["broker_url"])
+    assert wait_until(lambda: server.exists(gone) == 1, timeout=5)
+    ttl_ms = server.pttl(gone)
+    assert 0 < ttl_ms <= rig.durability.settings.reply_expires * 1000, ttl_ms
+
+
+def test_a_restarted_holder_follows_deadlines_set_before_it(
+        redis_pg_backend: Backend, make_rig: Any) -> None:
+    rig: HolderRig = make_rig(redis_pg_backend, [semaphore_config(
+        "batch", redis_pg_backend.database, round_wait=0.05, round_period=0.1,
+        grant_timeout=6.0)])
+    first = rig.start_holder(name="holder-a")
+    client = rig.client("batch", timeout=5.0)
+    key = "acct-deadline"
+    client.client.enqueue(key, None, "item", enqueued_at=time.time())
+    assert [g["permits"] for g in client.request(key)["grants"]] == [1]
+    first.kill()  # SIGKILL: the alarm it had set is gone with it
+    client._disconnect()
+    rig.start_holder(name="holder-b")  # no traffic at all from here on
+    sem = rig.semaphore("batch")
+    assert sem.usage(key).outstanding == 1
+    assert wait_until(lambda: sem.usage(key).outstanding == 0, timeout=10.0), sem.state(key)
+    assert sem.state(key).rounds == 1
 
 
 class TcpProxy:
