@@ -53,10 +53,19 @@ def prepare_engine(engine: Engine, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT
         raise ConfigurationError(
             f"database: {engine.dialect.name!r} is not supported (use sqlite or postgresql)"
         )
+    if engine.dialect.name == "sqlite" and _in_memory(engine.url):
+        raise ConfigurationError(
+            "database: an in-memory SQLite database belongs to one connection, so rounds "
+            "on other connections would not see it; use a file, e.g. sqlite:///durability.db"
+        )
     if engine.dialect.name == "sqlite" and engine not in _prepared:
         _install_sqlite_hooks(engine, busy_timeout)
         _prepared.add(engine)
     return engine
+
+
+def _in_memory(url: sa.URL) -> bool:
+    return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
 def _install_sqlite_hooks(engine: Engine, busy_timeout: float) -> None:
@@ -89,9 +98,14 @@ def transaction(engine: Engine, *, write: bool) -> Iterator[Connection]:
     """
     try:
         with engine.connect() as conn:
+            postgres = conn.dialect.name == "postgresql"
             if write:
                 conn.execution_options(durability_write=True)
-            elif conn.dialect.name == "postgresql":
+                if postgres:
+                    # After waiting for the key row lock, a round must read what the
+                    # previous round committed: READ COMMITTED, whatever the engine's default.
+                    conn.execution_options(isolation_level="READ COMMITTED")
+            elif postgres:
                 conn.execution_options(isolation_level="REPEATABLE READ")
             with conn.begin():
                 yield conn

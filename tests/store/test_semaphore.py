@@ -39,6 +39,8 @@ T0 = 1_764_450_000.0
         ({"database": 42}, "database"),
         ({"database": "mysql://localhost/x"}, "database"),
         ({"database": "not a url"}, "database"),
+        ({"database": "sqlite://"}, "in-memory"),
+        ({"database": "sqlite:///:memory:"}, "in-memory"),
     ],
 )
 def test_bad_settings_fail_at_construction(tmp_path: Path, options: dict[str, Any],
