@@ -316,7 +316,8 @@ class Gate:
                 worker_state.reserved_requests.discard(entry.request)
             self.state.held.clear()
             self.state.raised = 0
-            self.state.in_flight.clear()
+            # in_flight stays: replies still arrive on the reply queue, which the
+            # restarted step (or the final report) consumes again.
             return count
 
     def stop(self) -> None:
