@@ -21,7 +21,8 @@ from ..errors import CallerError, InvalidMessage
 from .ledger import GrantCopy, KeyLedger, LeaseCopy
 from .replies import ErrorReply, parse_reply
 
-GroupKey = tuple[str, str | None]
+Order = tuple[float, int, str]
+"""How queued items sort: (enqueued_at, arrival sequence, item_id)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class _Queued:
     seq: int
 
     @property
-    def order(self) -> tuple[float, int, str]:
+    def order(self) -> Order:
         return (self.enqueued_at, self.seq, self.item_id)
 
 
@@ -70,7 +71,8 @@ class SemaphoreClient:
         self._seq = itertools.count()
         self._ledgers: dict[str, KeyLedger] = {}
         self._queued: dict[str, _Queued] = {}
-        self._queues: dict[GroupKey, list[tuple[float, int, str]]] = {}
+        self._queues: dict[str, dict[str | None, list[Order]]] = {}
+        """key -> group -> queued items, oldest first."""
         self._admitted: dict[str, Permit] = {}
 
     # -- the client queue ----------------------------------------------------
@@ -82,7 +84,7 @@ class SemaphoreClient:
         self._ledger(key)  # validates the key before anything changes
         item = _Queued(item_id, key, group, float(enqueued_at), next(self._seq))
         self._queued[item_id] = item
-        bisect.insort(self._queues.setdefault((key, group), []), item.order)
+        bisect.insort(self._queues.setdefault(key, {}).setdefault(group, []), item.order)
         return True
 
     def cancel(self, item_id: str) -> bool:
@@ -90,10 +92,13 @@ class SemaphoreClient:
         item = self._queued.pop(item_id, None)
         if item is None:
             return False
-        queue = self._queues[(item.key, item.group)]
+        groups = self._queues[item.key]
+        queue = groups[item.group]
         del queue[bisect.bisect_left(queue, item.order)]
         if not queue:
-            del self._queues[(item.key, item.group)]
+            del groups[item.group]
+            if not groups:
+                del self._queues[item.key]
         return True
 
     def admit(self, *, limit: int | None = None) -> list[Permit]:
@@ -114,10 +119,10 @@ class SemaphoreClient:
                 break
         return permits
 
-    def _admissible(self, now: float) -> Iterator[tuple[float, int, str]]:
+    def _admissible(self, now: float) -> Iterator[Order]:
         """Queued items of groups that hold a permit, oldest first across those groups."""
-        heads: list[list[tuple[float, int, str]]] = []
-        for (key, group), queue in self._queues.items():
+        heads: list[list[Order]] = []
+        for key, group, queue in self._each_queue():
             ledger = self._ledgers[key]
             available = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
                             if g.group == group)
@@ -177,7 +182,7 @@ class SemaphoreClient:
     def _due_times(self, now: float) -> Iterator[tuple[str, float | None]]:
         for key, ledger in self._ledgers.items():
             demand = bool(self._demand(key, now))
-            queued = {group for (k, group) in self._queues if k == key}
+            queued = set(self._queues.get(key, {}))
             yield key, ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
                                      demand=demand, queued_groups=queued,
                                      stopping=self._stopped)
@@ -188,9 +193,7 @@ class SemaphoreClient:
             return ()
         ledger = self._ledgers[key]
         entries = []
-        for (k, group), queue in self._queues.items():
-            if k != key:
-                continue
+        for group, queue in self._queues.get(key, {}).items():
             held = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
                        if g.group == group)
             held += sum(le.drawable(now) for le in ledger.leases.values() if le.group == group)
@@ -231,7 +234,7 @@ class SemaphoreClient:
     def _stop_idle_leases(self, key: str, ledger: KeyLedger) -> None:
         """Contended: return undrawn lease permits of groups where nothing is queued."""
         for lease in ledger.leases.values():
-            if (key, lease.group) not in self._queues:
+            if lease.group not in self._queues.get(key, {}):
                 lease.stop()
 
     def on_failure(self, key: str) -> None:
@@ -261,7 +264,7 @@ class SemaphoreClient:
     def held(self) -> dict[str, dict[str | None, int]]:
         """Queued (not admitted) items per key and group."""
         counts: dict[str, dict[str | None, int]] = {}
-        for (key, group), queue in self._queues.items():
+        for key, group, queue in self._each_queue():
             counts.setdefault(key, {})[group] = len(queue)
         return counts
 
@@ -297,6 +300,11 @@ class SemaphoreClient:
             ledger = self._ledgers[key] = KeyLedger()
         return ledger
 
+    def _each_queue(self) -> Iterator[tuple[str, str | None, list[Order]]]:
+        for key, groups in self._queues.items():
+            for group, queue in groups.items():
+                yield key, group, queue
+
     def _sweep(self, now: float) -> None:
         for key in list(self._ledgers):
             ledger = self._ledgers[key]
@@ -305,5 +313,5 @@ class SemaphoreClient:
             # forgotten ids to guard, no queued items, and no wait still to honour.
             if (ledger.empty and not ledger.tombstones
                     and now >= max(ledger.next_request_at, ledger.backoff_until)
-                    and not any(k == key for k, _ in self._queues)):
+                    and key not in self._queues):
                 del self._ledgers[key]

@@ -239,7 +239,15 @@ class KeyLedger:
         self.tombstones[copy.lease_id] = now + LEASE_TOMBSTONE_TTLS * copy.ttl
 
     def sweep(self, now: float, margin: float, *, stopped: bool) -> None:
-        """Forget grants that are done and reported, and ids no late reply can carry."""
+        """Forget grants that are done and reported, and ids no late reply can carry.
+
+        A lease past its local expiry is stopped: the holder has (or is about to)
+        retire it, and reporting it stopped lets the holder settle it now
+        rather than keeping its footprint until the next message.
+        """
+        for lease in self.leases.values():
+            if now >= lease.expires_at:
+                lease.stop()
         for copy in [g for g in self.grants.values() if g.done(now, margin, stopped=stopped)]:
             self.forget_grant(copy, now)
         for ident in [i for i, until in self.tombstones.items() if until < now]:
@@ -281,6 +289,6 @@ class KeyLedger:
                 times.append(gate)  # confirmed and idle, but not yet settled: ask again
             if not le.stopped and le.in_use:
                 times.append(max(gate, le.heartbeat_at))
-            if le.group in queued_groups and le.drawable(now):
-                times.append(max(gate, le.expires_at))
+            if not le.stopped:
+                times.append(le.expires_at)  # sweep() stops it then: see there
         return min(times) if times else None

@@ -136,16 +136,26 @@ def test_heartbeat_at_half_the_lease_lifetime_while_permits_are_in_use() -> None
     assert lease_reports(client.message(KEY)) == {"l1": (1, 0, False)}
 
 
-def test_no_heartbeat_for_a_lease_with_no_permit_in_use() -> None:
+def test_an_idle_lease_gets_no_heartbeat_and_is_stopped_when_it_expires() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, ttl=100.0)
     client.release("t0")
     client.message(KEY)
     client.on_response(KEY, reply(clock.now, leases=[
         lease("l1", permits=4, drawn=1, released=1, expires_at=clock.now + 100)]))
-    assert client.next_due_at() is None
-    clock.advance(200)
+    assert client.next_due_at() == clock.now + 100  # no heartbeat at +50
+    clock.advance(99.9)
     assert client.due() == []
+    client.enqueue(KEY, None, "t1", enqueued_at=2.0)
+    assert [p.source for p in client.admit()] == ["lease"]  # still drawable before expiry
+    client.release("t1")
+    clock.advance(0.1)
+    client.enqueue(KEY, None, "t2", enqueued_at=3.0)
+    assert client.admit() == []  # the holder may have retired it: draw no more
+    assert client.due() == [KEY]
+    message = client.message(KEY)
+    assert lease_reports(message) == {"l1": (2, 2, True)}
+    assert demand(message) == {None: (1, 3.0)}
 
 
 def test_unreported_releases_wait_for_next_request_at_unless_contended_or_blocked() -> None:
