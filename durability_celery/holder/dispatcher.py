@@ -104,11 +104,14 @@ class Dispatcher(threading.Thread):
     def run(self) -> None:
         try:
             while True:
-                if not self._handle_events(self._wait_time()):
-                    break
-                self._start_due_jobs()
-        except Exception:
-            logger.exception("durability holder: dispatcher crashed")
+                try:
+                    if not self._handle_events(self._wait_time()):
+                        break
+                    self._start_due_jobs()
+                except Exception:
+                    # A bug must not silently end the holder while its worker lives on.
+                    logger.exception("durability holder: dispatcher error; continuing")
+                    time.sleep(0.1)
         finally:
             self._finish()
 

@@ -24,21 +24,23 @@ class HolderStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is un
                  durability_shards: str | None = None, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.enabled = bool(durability_holder)
-        self.shards_spec = durability_shards
         self.holder: Holder | None = None
+        self.shards: list[int] | None = None
+        if self.enabled:
+            # Checked while the worker is built, so a bad flag stops it at start-up.
+            from ..app import durability_for
+
+            self.durability = durability_for(parent.app)
+            try:
+                self.shards = parse_shards(durability_shards, self.durability.settings.shards)
+            except ValueError as exc:
+                raise ConfigurationError(str(exc)) from None
 
     def create(self, parent: Any) -> HolderStep:
         return self
 
     def start(self, parent: Any) -> None:
-        from ..app import durability_for
-
-        durability = durability_for(parent.app)
-        try:
-            shards = parse_shards(self.shards_spec, durability.settings.shards)
-        except ValueError as exc:
-            raise ConfigurationError(str(exc)) from None
-        self.holder = Holder(durability, shards=shards)
+        self.holder = Holder(self.durability, shards=self.shards)
         self.holder.start()
 
     def stop(self, parent: Any) -> None:

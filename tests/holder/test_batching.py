@@ -112,3 +112,17 @@ def test_drop_waiting_forgets_requests() -> None:
     assert len(b.drop_waiting()) == 2
     assert b.waiting_count() == 0
     assert b.take_due(10.0) == []
+
+
+def test_shard_specs() -> None:
+    import pytest
+
+    from durability_celery.holder.service import parse_shards
+
+    assert parse_shards(None, 16) is None
+    assert parse_shards("", 16) is None
+    assert parse_shards("0-3,9", 16) == [0, 1, 2, 3, 9]
+    assert parse_shards("5, 5,2", 8) == [2, 5]
+    for bad in ("0-16", "x", "3-1", "-1"):
+        with pytest.raises(ValueError, match="--durability-shards"):
+            parse_shards(bad, 16)

@@ -1,0 +1,139 @@
+# The dispatcher thread with a stand-in semaphore and publisher (no broker, no
+# database): replies only after run_round returned, one job per key at a time,
+# a slow key does not stall the others, failures answer `unavailable`, and
+# claim deadlines from responses arm the alarm.
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from durability_celery.errors import InfrastructureError
+from durability_celery.holder.batching import Waiting
+from durability_celery.holder.dispatcher import Dispatcher
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class Config:
+    round_wait: float = 0.02
+    round_period: float = 0.05
+
+
+class FakeSemaphore:
+    def __init__(self) -> None:
+        self.config = Config()
+        self.calls: list[tuple[str, str, int]] = []
+        self.gates: dict[str, threading.Event] = {}
+        self.fail: set[str] = set()
+        self.deadline_after = 0.3
+        self.active: set[str] = set()
+        self.overlap = False
+        self.lock = threading.Lock()
+
+    def run_round(self, key: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        with self.lock:
+            self.overlap |= key in self.active
+            self.active.add(key)
+        try:
+            self.calls.append(("round", key, len(messages)))
+            if key in self.gates:
+                self.gates[key].wait(10)
+            if key in self.fail:
+                raise InfrastructureError("database is down")
+            deadline = time.time() + self.deadline_after
+            return [{"v": 1, "n": m["n"], "grants": [
+                {"status": "active", "permits": 1, "claimed": 0, "claim_deadline": deadline}]}
+                for m in messages]
+        finally:
+            with self.lock:
+                self.active.discard(key)
+
+    def reclaim(self, key: str) -> float | None:
+        self.calls.append(("reclaim", key, 0))
+        return None
+
+    def deadlines(self) -> list[tuple[str, float]]:
+        return []
+
+
+class FakePublisher:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str | None, dict[str, Any], float]] = []
+
+    def publish(self, reply_to: str, correlation_id: str | None, body: dict[str, Any]) -> bool:
+        self.sent.append((reply_to, correlation_id, body, time.monotonic()))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def rig() -> Any:
+    sem, pub = FakeSemaphore(), FakePublisher()
+    dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
+                            round_threads=2, scan_interval=100.0)  # type: ignore[arg-type]
+    dispatcher.start()
+    yield sem, pub, dispatcher
+    dispatcher.stop(timeout=5)
+
+
+def send(dispatcher: Dispatcher, key: str, n: int) -> None:
+    dispatcher.submit(("s", key), Waiting({"n": n}, f"reply-{n}", f"c{n}", time.time()))
+
+
+def wait_for(check: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_replies_follow_the_round_and_correlate(rig: Any) -> None:
+    sem, pub, dispatcher = rig
+    for n in range(3):
+        send(dispatcher, "a", n)
+    wait_for(lambda: len(pub.sent) == 3)
+    assert [c for c in sem.calls if c[0] == "round"] == [("round", "a", 3)]
+    assert sorted((r, c, b["n"]) for r, c, b, _ in pub.sent) == [
+        ("reply-0", "c0", 0), ("reply-1", "c1", 1), ("reply-2", "c2", 2)]
+
+
+def test_a_slow_key_does_not_stall_others_and_never_runs_twice(rig: Any) -> None:
+    sem, pub, dispatcher = rig
+    sem.gates["slow"] = threading.Event()
+    send(dispatcher, "slow", 1)
+    wait_for(lambda: ("round", "slow", 1) in sem.calls)
+    send(dispatcher, "slow", 2)  # waits: its key's round is still running
+    send(dispatcher, "fast", 3)
+    wait_for(lambda: any(b["n"] == 3 for _, _, b, _ in pub.sent))
+    assert not any(b.get("n") in (1, 2) for _, _, b, _ in pub.sent)  # nothing before commit
+    sem.gates["slow"].set()
+    wait_for(lambda: len(pub.sent) == 3)
+    assert not sem.overlap
+
+
+def test_a_failed_round_answers_unavailable_and_the_next_one_works(rig: Any) -> None:
+    sem, pub, dispatcher = rig
+    sem.fail.add("k")
+    send(dispatcher, "k", 1)
+    wait_for(lambda: len(pub.sent) == 1)
+    assert pub.sent[0][2]["error"]["code"] == "unavailable"
+    sem.fail.clear()
+    send(dispatcher, "k", 2)
+    wait_for(lambda: len(pub.sent) == 2)
+    assert pub.sent[1][2]["n"] == 2
+
+
+def test_claim_deadlines_in_responses_arm_the_reclaim_alarm(rig: Any) -> None:
+    sem, pub, dispatcher = rig
+    send(dispatcher, "k", 1)
+    wait_for(lambda: len(pub.sent) == 1)
+    sent_at = time.monotonic()
+    wait_for(lambda: ("reclaim", "k", 0) in sem.calls, timeout=3)
+    assert time.monotonic() - sent_at >= 0.2  # at the deadline (0.3 s), not at once
