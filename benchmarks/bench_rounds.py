@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
 
+import durability_celery.semaphore as semaphore_module
 from durability_celery.core.config import RoundConfig
-from durability_celery.core.round import KeyState, run_round
+from durability_celery.core.round import KeyState, RoundResult, run_round
 from durability_celery.semaphore import DurabilitySemaphore
 
 SIZES = [(1, 1), (1, 10), (100, 1), (100, 10), (1000, 1), (1000, 10)]
@@ -90,6 +91,20 @@ class Workload:
                     held.pop(grant["grant_id"], None)
 
 
+class CoreTimer:
+    """Wraps the core's run_round inside DurabilitySemaphore to split a round's time."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> RoundResult:
+        started = time.perf_counter()
+        try:
+            return run_round(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 @dataclass
 class Result:
     backend: str
@@ -97,26 +112,35 @@ class Result:
     groups: int
     rounds: int
     seconds: float
+    core_seconds: float
 
     @property
     def ms(self) -> float:
         return self.seconds / self.rounds * 1000
 
+    @property
+    def store_ms(self) -> float:
+        """Time outside the core: SQL statements, commit, rows <-> state."""
+        return (self.seconds - self.core_seconds) / self.rounds * 1000
+
     def row(self) -> str:
         per_client = self.ms * 1000 / self.clients
         return (f"{self.backend:<11} {self.clients:>7} {self.groups:>6} {self.rounds:>6} "
-                f"{self.ms:>10.2f} {1000 / self.ms:>9.1f} {per_client:>12.1f}")
+                f"{self.ms:>10.2f} {self.store_ms:>9.2f} {1000 / self.ms:>9.1f} "
+                f"{per_client:>10.1f}")
 
 
 def _measure(backend: str, clients: int, groups: int, budget: float,
              step: Callable[[list[dict[str, Any]], float], Sequence[dict[str, Any]]],
-             workload: Workload) -> Result:
+             workload: Workload, timer: CoreTimer | None = None) -> Result:
     now = 1_764_450_000.0
     spent, rounds = 0.0, 0
     for warmup in range(2):  # the first round only issues grants; measure the steady state
         messages = workload.messages(now)
         workload.absorb(messages, step(messages, now))
         now += 2.0 + warmup
+    if timer is not None:
+        timer.seconds = 0.0
     while rounds < 3 or (spent < budget and rounds < 500):
         messages = workload.messages(now)
         started = time.perf_counter()
@@ -125,7 +149,8 @@ def _measure(backend: str, clients: int, groups: int, budget: float,
         workload.absorb(messages, responses)
         rounds += 1
         now += 2.0
-    return Result(backend, clients, groups, rounds, spent)
+    return Result(backend, clients, groups, rounds, spent,
+                  spent if timer is None else timer.seconds)
 
 
 def bench_core(clients: int, groups: int, budget: float) -> Result:
@@ -147,11 +172,15 @@ def bench_core(clients: int, groups: int, budget: float) -> Result:
 def bench_store(backend: str, url: str, clients: int, groups: int, budget: float) -> Result:
     key = f"{backend}-{clients}x{groups}"
     sem = DurabilitySemaphore(SEMAPHORE, database=url, limit=clients * groups)
+    timer = CoreTimer()
+    semaphore_module.run_round = timer  # type: ignore[assignment]
     try:
         workload = Workload(key, clients, groups)
         return _measure(backend, clients, groups, budget,
-                        lambda messages, now: sem.run_round(key, messages, now=now), workload)
+                        lambda messages, now: sem.run_round(key, messages, now=now), workload,
+                        timer)
     finally:
+        semaphore_module.run_round = run_round
         sem.close()
 
 
@@ -190,7 +219,10 @@ def _growth(results: list[Result]) -> list[str]:
             by_n = {r.clients: r for r in results if r.backend == backend and r.groups == groups}
             if 100 in by_n and 1000 in by_n:
                 ratio = by_n[1000].ms / by_n[100].ms
-                lines.append(f"  {backend:<11} {groups:>2} group(s): x{ratio:.1f}")
+                line = f"  {backend:<11} {groups:>2} group(s): round x{ratio:.1f}"
+                if backend != "core":
+                    line += f", store part x{by_n[1000].store_ms / by_n[100].store_ms:.1f}"
+                lines.append(line)
     return lines
 
 
@@ -204,13 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     header = f"{'backend':<11} {'clients':>7} {'groups':>6} {'rounds':>6} " \
-             f"{'ms/round':>10} {'rounds/s':>9} {'us/client':>12}"
+             f"{'ms/round':>10} {'store ms':>9} {'rounds/s':>9} {'us/client':>10}"
     lines = [
         f"# bench_rounds: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, "
         f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f}",
         f"# each round: every client sends demand in every group ({DEMAND_PER_GROUP} each) "
         "and reports all its grants; limit = clients x groups",
+        "# store ms: the part of a round spent outside the pure core (SQL, commit, rows)",
     ]
     pg_url, drop = _postgres_database(args.pg_admin)
     results: list[Result] = []

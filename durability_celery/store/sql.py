@@ -130,9 +130,18 @@ def _insert(conn: Connection, stmts: _Statements, rows: list[dict[str, Any]]) ->
     names = ", ".join(quote(c) for c in stmts.copy_columns)
     statement = f"COPY {quote(stmts.table.name)} ({names}) FROM STDIN"
     dbapi: Any = conn.connection.dbapi_connection
-    with dbapi.cursor() as cursor, cursor.copy(statement) as copy:
-        for row in rows:
-            copy.write_row([row[c] for c in stmts.copy_columns])
+    try:
+        with dbapi.cursor() as cursor, cursor.copy(statement) as copy:
+            for row in rows:
+                copy.write_row([row[c] for c in stmts.copy_columns])
+    except conn.dialect.loaded_dbapi.Error as exc:
+        # Raw DBAPI use bypasses SQLAlchemy: give its errors SQLAlchemy's shape
+        # (and drop a dead connection) so callers see one kind of failure.
+        if conn.dialect.is_disconnect(exc, dbapi, None):
+            conn.invalidate(exc)
+        raise sa.exc.DBAPIError.instance(
+            statement, None, exc, conn.dialect.loaded_dbapi.Error
+        ) from exc
 
 
 def _delete(conn: Connection, stmts: _Statements, where: dict[str, str], ids: list[str]) -> None:

@@ -191,3 +191,21 @@ def test_many_rows_round_trip(engine: sa.Engine) -> None:
     with store.transaction(engine, write=True) as conn:
         store.save(conn, store.load(conn, "accounts", "many"), fewer)
     assert _load_fresh(engine, "accounts", "many") == fewer
+
+
+@pytest.mark.parametrize("rows", [1, 10])  # INSERT, and COPY on PostgreSQL
+def test_a_failed_write_rolls_back_the_whole_round(engine: sa.Engine, rows: int) -> None:
+    from durability_celery.errors import InfrastructureError
+
+    existing = KeyState("accounts", "k", grants=tuple(
+        Grant(f"g-{i}", "c", None, 1, 0, 0, 1.0, 2.0) for i in range(rows)))
+    with store.transaction(engine, write=True) as conn:
+        store.save(conn, store.load(conn, "accounts", "k"), existing)
+    # A save from a stale `old` that does not know those grants inserts them
+    # again: the primary key refuses, and nothing of that transaction stays.
+    stale = KeyState("accounts", "k")
+    bumped = replace(existing, rounds=5, limit=9)
+    with pytest.raises(InfrastructureError), store.transaction(engine, write=True) as conn:
+        store.load(conn, "accounts", "k")
+        store.save(conn, stale, bumped)
+    assert _load_fresh(engine, "accounts", "k") == existing
