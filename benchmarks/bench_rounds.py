@@ -135,10 +135,11 @@ def _measure(backend: str, clients: int, groups: int, budget: float,
              workload: Workload, timer: CoreTimer | None = None) -> Result:
     now = 1_764_450_000.0
     spent, rounds = 0.0, 0
-    for warmup in range(2):  # the first round only issues grants; measure the steady state
-        messages = workload.messages(now)
-        workload.absorb(messages, step(messages, now))
-        now += 2.0 + warmup
+    # The first round only issues grants; from the second on, every round
+    # reports, deletes and issues: the steady state that is measured.
+    messages = workload.messages(now)
+    workload.absorb(messages, step(messages, now))
+    now += 2.0
     if timer is not None:
         timer.seconds = 0.0
     while rounds < 3 or (spent < budget and rounds < 500):
