@@ -117,11 +117,18 @@ class Batcher:
             return True
         return now >= slot.last_round_at + self._timing(key_id[0])[1]
 
-    def finished(self, key_id: KeyId) -> None:
-        """The key's job ended (committed or failed): it may run the next one."""
+    def finished(self, key_id: KeyId, *, round_at: float | None = None) -> None:
+        """The key's job ended (committed or failed): it may run the next one.
+
+        `round_at` is the time the round itself recorded (taken a little after
+        it was started); the next round is spaced from it, so the times clients
+        see are never closer than round_period.
+        """
         slot = self._slots.get(key_id)
         if slot is not None:
             slot.busy = False
+            if round_at is not None and slot.last_round_at is not None:
+                slot.last_round_at = max(slot.last_round_at, round_at)
 
     def next_wake(self) -> float | None:
         """The earliest time `take_due` may return a job (None: nothing scheduled)."""

@@ -159,7 +159,7 @@ class Dispatcher(threading.Thread):
     def _round_done(self, event: _RoundDone) -> None:
         self._running -= 1
         key_id = event.job.key_id
-        self._batcher.finished(key_id)
+        self._batcher.finished(key_id, round_at=_round_at(event.responses))
         if event.responses is None:
             answers: Iterable[dict[str, Any]] = [
                 error_reply("unavailable", "the holder's database failed; ask again later")
@@ -259,6 +259,15 @@ def _claim_deadlines(responses: Iterable[dict[str, Any]]) -> Iterable[float]:
                     and grant.get("claimed", 0) < grant.get("permits", 0)
                     and isinstance(grant.get("claim_deadline"), int | float)):
                 yield float(grant["claim_deadline"])
+
+
+def _round_at(responses: list[dict[str, Any]] | None) -> float | None:
+    """The round's own timestamp, from any successful response."""
+    for response in responses or ():
+        at = response.get("round_at")
+        if isinstance(at, int | float) and not isinstance(at, bool):
+            return float(at)
+    return None
 
 
 def _log_failure(what: str, key_id: KeyId, exc: Exception) -> None:

@@ -126,3 +126,12 @@ def test_shard_specs() -> None:
     for bad in ("0-16", "x", "3-1", "-1"):
         with pytest.raises(ValueError, match="--durability-shards"):
             parse_shards(bad, 16)
+
+
+def test_the_next_round_is_spaced_from_the_time_the_round_recorded() -> None:
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K, round_at=1.02)  # the round read its clock a little after it started
+    b.add(K, req(1.5, 2))
+    assert b.round_at(K) == 1.02 + PERIOD
