@@ -214,3 +214,24 @@ def test_locked_database_fails_the_round_and_changes_nothing(sqlite_url: str) ->
     assert table_rows(engine) == before
     sem.close()
     engine.dispose()
+
+
+def test_a_given_engine_is_shared_and_left_open(database_url: str) -> None:
+    engine = store.create_engine(database_url)
+    first = DurabilitySemaphore("shared-a", database=engine, limit=1)
+    second = DurabilitySemaphore("shared-b", database=engine, limit=2)
+    try:
+        first.migrate()
+        assert first.engine is second.engine is engine
+        first.run_round("k", [request(first, "k", "c", demand=[(None, 5, T0)])], now=T0)
+        [reply] = second.run_round("k", [request(second, "k", "c", demand=[(None, 5, T0)])],
+                                   now=T0)
+        assert [g["permits"] for g in reply["grants"]] == [2]  # semaphores are separate
+        pool = engine.pool
+        first.close()  # not its engine: not disposed (dispose would replace the pool)
+        assert engine.pool is pool
+        assert second.usage("k", now=T0).outstanding == 2
+        assert first.usage("k", now=T0).outstanding == 1
+    finally:
+        second.close()
+        engine.dispose()
