@@ -1,97 +1,23 @@
 # Shared fixtures: real databases, real Redis, real Celery worker subprocesses.
-# Rule: a missing service FAILS the test with a message saying what to start;
-# nothing here ever skips. Every process a test starts is killed (whole process
-# group) when the test ends, pass or fail.
+# The helpers behind them live in tests/support.py (import them from there).
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import secrets
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-PG_HOST = os.environ.get("DC_TEST_PG_HOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("DC_TEST_PG_PORT", "5432"))
-PG_ADMIN_DB = os.environ.get("DC_TEST_PG_ADMIN_DB", "test")
-REDIS_HOST = os.environ.get("DC_TEST_REDIS_HOST", "127.0.0.1")
-REDIS_PORT = int(os.environ.get("DC_TEST_REDIS_PORT", "6379"))
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from support import (
+    Processes,
+    _redis_ping_flush,
+    create_postgres_database,
+    reset_postgres,
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "redis_db(n): the Redis DB number the `redis_url` fixture hands out"
     )
-
-
-# --------------------------------------------------------------------------
-# service policy
-
-
-def require_service(name: str, check: Callable[[], object], *, hint: str = "") -> None:
-    """Run `check`; if it raises, FAIL (never skip) naming the service and how to start it."""
-    try:
-        check()
-    except Exception as exc:
-        pytest.fail(
-            f"{name} is not reachable ({type(exc).__name__}: {exc}). Tests never skip a "
-            f"missing service: start it (`.ci/run` starts every service). {hint}".rstrip(),
-            pytrace=False,
-        )
-
-
-# --------------------------------------------------------------------------
-# PostgreSQL
-
-
-def _pg_admin_connect(dbname: str = PG_ADMIN_DB) -> tuple[Any, str]:
-    """Autocommit psycopg connection as `postgres`, falling back to `root`."""
-    import psycopg
-
-    last: Exception | None = None
-    for user in ("postgres", "root"):
-        try:
-            conn = psycopg.connect(
-                host=PG_HOST, port=PG_PORT, user=user, dbname=dbname,
-                autocommit=True, connect_timeout=5,
-            )
-            return conn, user
-        except psycopg.OperationalError as exc:
-            last = exc
-    assert last is not None
-    raise last
-
-
-def _pg_admin() -> tuple[Any, str]:
-    holder: list[tuple[Any, str]] = []
-    require_service(
-        f"PostgreSQL at {PG_HOST}:{PG_PORT} (db {PG_ADMIN_DB!r})",
-        lambda: holder.append(_pg_admin_connect()),
-    )
-    return holder[0]
-
-
-def create_postgres_database(prefix: str = "dc_test") -> tuple[str, Callable[[], None]]:
-    """Create a fresh database; returns (SQLAlchemy URL, drop function)."""
-    admin, user = _pg_admin()
-    name = f"{prefix}_{secrets.token_hex(4)}"
-    admin.execute(f'CREATE DATABASE "{name}"')
-
-    def drop() -> None:
-        try:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            admin.close()
-
-    return f"postgresql+psycopg://{user}@{PG_HOST}:{PG_PORT}/{name}", drop
 
 
 @pytest.fixture(scope="session")
@@ -114,36 +40,6 @@ def fresh_postgres_url() -> Iterator[str]:
         drop()
 
 
-def reset_postgres(url: str) -> None:
-    """Empty the session database: drop and recreate the public schema (~5 ms).
-
-    Measured: CREATE + DROP DATABASE costs ~160 ms per test, this ~5 ms, and it
-    leaves the same state a new database has (no tables). A connection leaked by
-    an earlier test could hold a lock; after a short lock timeout those
-    connections are terminated and the drop retried.
-    """
-    import psycopg
-
-    dbname = url.rsplit("/", 1)[1]
-    conn, _ = _pg_admin_connect(dbname)
-    try:
-        conn.execute("SET lock_timeout = '3s'")
-        try:
-            conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public")
-        except psycopg.errors.LockNotAvailable:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public")
-    finally:
-        conn.close()
-
-
-# --------------------------------------------------------------------------
-# SQLite and the parametrized database
-
-
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite file in this test's temp dir (no schema yet)."""
@@ -161,23 +57,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'durability.db'}"
     url: str = request.getfixturevalue("postgres_url")
     reset_postgres(url)
-    return url
-
-
-# --------------------------------------------------------------------------
-# Redis
-
-
-def _redis_ping_flush(db: int) -> str:
-    import redis
-
-    url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}"
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-    try:
-        require_service(f"Redis at {REDIS_HOST}:{REDIS_PORT}", client.ping)
-        client.flushdb()
-    finally:
-        client.close()
     return url
 
 
@@ -200,180 +79,6 @@ def redis_url(request: pytest.FixtureRequest) -> str:
             pytrace=False,
         )
     return _redis_ping_flush(db)
-
-
-# --------------------------------------------------------------------------
-# embedded broker
-
-
-def filesystem_broker(folder: Path) -> dict[str, Any]:
-    """Celery settings for kombu's `filesystem://` broker in `folder` (works across processes).
-
-    Producers and consumers must use the same folders: in == out here.
-    """
-    data = folder / "broker-data"
-    control = folder / "broker-control"
-    for path in (data, control):
-        path.mkdir(parents=True, exist_ok=True)
-    return {
-        "broker_url": "filesystem://",
-        "broker_transport_options": {
-            "data_folder_in": str(data),
-            "data_folder_out": str(data),
-            "control_folder": str(control),
-            "polling_interval": 0.1,
-        },
-    }
-
-
-# --------------------------------------------------------------------------
-# subprocesses (Celery workers, beat, anything)
-
-
-class Proc:
-    """One child process running in its own process group, logging to a file."""
-
-    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, name: str) -> None:
-        self.popen = popen
-        self.log_path = log_path
-        self.name = name
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def wait_for_log(self, pattern: str, *, timeout: float = 30.0, start: int = 0) -> re.Match[str]:
-        """Wait until `pattern` (a regex) appears in the log after offset `start`."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.log()
-            found = regex.search(text, start)
-            if found:
-                return found
-            if self.popen.poll() is not None:
-                pytest.fail(
-                    f"{self.name} exited with code {self.popen.returncode} before "
-                    f"logging {pattern!r}. Log tail:\n{text[-4000:]}",
-                    pytrace=False,
-                )
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"{self.name} did not log {pattern!r} within {timeout}s. "
-                    f"Log tail:\n{text[-4000:]}",
-                    pytrace=False,
-                )
-            time.sleep(0.1)
-
-    def signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, sig)
-
-    def stop(self, *, timeout: float = 10.0) -> int | None:
-        """SIGTERM the whole group, SIGKILL after `timeout`; returns the exit code."""
-        if self.popen.poll() is None:
-            self.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout)
-        # Reap the group even if the leader already exited (orphaned pool children).
-        self.kill()
-        return self.popen.returncode
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.popen.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-
-    def kill(self) -> None:
-        """SIGKILL the whole group now (simulates a crash) and wait until it is gone."""
-        self.signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(5)
-        deadline = time.monotonic() + 5
-        while self.group_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
-class Processes:
-    """Starts child processes for one test and kills every one at teardown."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[Proc] = []
-
-    def spawn(
-        self,
-        cmd: Sequence[str],
-        *,
-        name: str,
-        env: dict[str, str] | None = None,
-        cwd: Path | str | None = None,
-        pythonpath: Sequence[Path | str] = (),
-    ) -> Proc:
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        paths = [str(p) for p in pythonpath] + [str(REPO_ROOT)]
-        if full_env.get("PYTHONPATH"):
-            paths.append(full_env["PYTHONPATH"])
-        full_env["PYTHONPATH"] = os.pathsep.join(paths)
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(
-                list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                cwd=str(cwd) if cwd else None, start_new_session=True,
-            )
-        proc = Proc(popen, log_path, name)
-        self.procs.append(proc)
-        return proc
-
-    def start_worker(
-        self,
-        app_module: str,
-        *args: str,
-        env: dict[str, str] | None = None,
-        name: str = "worker",
-        cwd: Path | str | None = None,
-        pythonpath: Sequence[Path | str] = (),
-        ready_timeout: float = 30.0,
-    ) -> Proc:
-        """`celery -A app_module worker <args>`; returns once it logged "ready."."""
-        if not any(a.startswith(("-n", "--hostname")) for a in args):
-            args = (*args, f"--hostname={name}-{secrets.token_hex(3)}@%h")
-        cmd = [sys.executable, "-m", "celery", "-A", app_module, "worker",
-               "--loglevel=INFO", "--without-mingle", "--without-gossip", *args]
-        proc = self.spawn(cmd, name=name, env=env, cwd=cwd, pythonpath=pythonpath)
-        proc.wait_for_log(r"\bready\.", timeout=ready_timeout)
-        return proc
-
-    def start_beat(
-        self,
-        app_module: str,
-        *args: str,
-        env: dict[str, str] | None = None,
-        name: str = "beat",
-        cwd: Path | str | None = None,
-        pythonpath: Sequence[Path | str] = (),
-    ) -> Proc:
-        """`celery -A app_module beat` with its schedule file in the log dir."""
-        schedule = self.log_dir / f"{name}-{len(self.procs)}-schedule"
-        cmd = [sys.executable, "-m", "celery", "-A", app_module, "beat", "--loglevel=INFO",
-               f"--schedule={schedule}", *args]
-        proc = self.spawn(cmd, name=name, env=env, cwd=cwd, pythonpath=pythonpath)
-        proc.wait_for_log(r"beat: Starting", timeout=30)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
 
 
 @pytest.fixture

@@ -221,7 +221,7 @@ def test_roles_on_a_server_broker_and_postgresql(
     broker: str, processes: Any, tmp_path: Path, postgres_url: str,
     redis_url_factory: Any,
 ) -> None:
-    from conftest import require_service, reset_postgres
+    from support import require_service, reset_postgres
 
     reset_postgres(postgres_url)
     if broker == "redis":

@@ -18,7 +18,7 @@ from durability_celery.settings import DurabilitySettings
 pytestmark = pytest.mark.timeout(120)
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from conftest import filesystem_broker  # noqa: E402
+from support import filesystem_broker  # noqa: E402
 
 
 class FakeDurability:
@@ -157,7 +157,7 @@ def test_beat_alone_reclaims_an_unclaimed_grant(
 
 @pytest.fixture
 def database_url_pg(postgres_url: str) -> str:
-    from conftest import reset_postgres
+    from support import reset_postgres
 
     reset_postgres(postgres_url)
     return postgres_url

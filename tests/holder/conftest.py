@@ -17,8 +17,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from conftest import Proc, Processes, create_postgres_database, filesystem_broker  # noqa: E402
 from holder_app import CONFIG_ENV, make_app  # noqa: E402
+from support import Proc, Processes, create_postgres_database, filesystem_broker  # noqa: E402
 
 from durability_celery.app import Durability  # noqa: E402
 from durability_celery.client.blocking import BlockingClient  # noqa: E402
@@ -37,6 +37,15 @@ def holder_pg_url() -> Iterator[str]:
         drop()
 
 
+def embedded_broker(folder: Path) -> dict[str, Any]:
+    """The shared filesystem broker settings, with the atomic-write variant of the
+    transport (durability_celery.holder.fs_transport): plain `filesystem://` loses
+    about one message in a hundred to a read-before-write race in kombu 5.7."""
+    from durability_celery.holder.fs_transport import SCHEME
+
+    return {**filesystem_broker(folder), "broker_url": f"{SCHEME}://"}
+
+
 @dataclass
 class Backend:
     name: str
@@ -47,20 +56,20 @@ class Backend:
 @pytest.fixture(params=["redis+postgresql", "filesystem+sqlite"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path,
             redis_url_factory: Callable[[int], str]) -> Backend:
-    from conftest import reset_postgres
+    from support import reset_postgres
 
     if request.param == "redis+postgresql":
         url: str = request.getfixturevalue("holder_pg_url")
         reset_postgres(url)
         return Backend(request.param, {"broker_url": redis_url_factory(REDIS_DB)}, url)
-    return Backend(request.param, filesystem_broker(tmp_path),
+    return Backend(request.param, embedded_broker(tmp_path),
                    f"sqlite:///{tmp_path / 'durability.db'}")
 
 
 @pytest.fixture
 def redis_pg_backend(tmp_path: Path, redis_url_factory: Callable[[int], str],
                      holder_pg_url: str) -> Backend:
-    from conftest import reset_postgres
+    from support import reset_postgres
 
     reset_postgres(holder_pg_url)
     return Backend("redis+postgresql", {"broker_url": redis_url_factory(REDIS_DB)},
@@ -154,7 +163,7 @@ SHARED_SEMAPHORES: dict[str, dict[str, Any]] = {
 def shared_rig(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[HolderRig]:
     """One holder worker per backend for the whole module (worker start-up costs ~5 s)."""
-    from conftest import _redis_ping_flush, reset_postgres
+    from support import _redis_ping_flush, reset_postgres
 
     tmp = tmp_path_factory.mktemp("shared-holder")
     if request.param == "redis+postgresql":
@@ -162,7 +171,7 @@ def shared_rig(request: pytest.FixtureRequest,
         reset_postgres(url)
         backend = Backend(request.param, {"broker_url": _redis_ping_flush(REDIS_DB)}, url)
     else:
-        backend = Backend(request.param, filesystem_broker(tmp), f"sqlite:///{tmp / 'd.db'}")
+        backend = Backend(request.param, embedded_broker(tmp), f"sqlite:///{tmp / 'd.db'}")
     (tmp / "logs").mkdir()
     processes = Processes(tmp / "logs")
     rigs: list[HolderRig] = []

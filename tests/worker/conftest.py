@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 import redis
-
-from tests.conftest import Proc, Processes, create_postgres_database
+from support import Proc, Processes, create_postgres_database
 
 BROKER_DB = 4
 LEDGER_DB = 5
