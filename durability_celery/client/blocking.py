@@ -106,7 +106,9 @@ class BlockingClient:
                 if remaining <= 0:
                     raise RequestTimeout(
                         f"no answer from the holder of {self.semaphore!r} in time")
-                with contextlib.suppress(TimeoutError):
+                # ValueError: an entry the transport took but could not parse;
+                # if it was our reply, the wait ends in RequestTimeout.
+                with contextlib.suppress(TimeoutError, ValueError):
                     self._connection.drain_events(timeout=min(remaining, 1.0))
             return self._reply
         finally:

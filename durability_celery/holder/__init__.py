@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .fs_transport import register as _register_fs_transport
 from .queues import (
     MAX_BODY_BYTES,
     error_reply,
@@ -24,6 +25,10 @@ __all__ = [
     "install",
     "reply_queue_declaration",
 ]
+
+
+# Every process that imports the library can use `durability-filesystem://`.
+_register_fs_transport()
 
 
 def install(durability: Durability) -> None:

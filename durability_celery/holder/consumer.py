@@ -6,7 +6,6 @@
 # until the holder stops.
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -56,8 +55,9 @@ class HolderConsumer(threading.Thread):
         while not self._stopping.is_set():
             try:
                 self._consume()
-                backoff = BACKOFF_START
             except Exception as exc:
+                if self.consuming.is_set():
+                    backoff = BACKOFF_START  # it had worked: a fresh loss starts over
                 self.consuming.clear()
                 if self._stopping.is_set():
                     break
@@ -81,8 +81,16 @@ class HolderConsumer(threading.Thread):
                 self.consuming.set()
                 logger.info("durability holder: consuming %s", ", ".join(self._queue_names))
                 while not self._stopping.is_set():
-                    with contextlib.suppress(TimeoutError):
+                    try:
                         connection.drain_events(timeout=POLL)
+                    except TimeoutError:
+                        pass
+                    except ValueError as exc:
+                        # The transport could not parse an entry it already took
+                        # off the queue (not a kombu message, or a file read
+                        # before its writer finished): it is gone, carry on.
+                        logger.warning("durability holder: dropped an undecodable "
+                                       "broker entry: %r", exc)
 
     # --- one message --------------------------------------------------------
 
