@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 
 from ..errors import DurabilityError
 
@@ -36,13 +37,20 @@ class Child:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def failure_line(self) -> str:
+        """The most telling line of the log: the last error, else the last line."""
+        lines = [line.strip() for line in self.log_tail(200).splitlines() if line.strip()]
+        for line in reversed(lines):
+            if "Error" in line or "CRITICAL" in line or "error:" in line:
+                return line
+        return lines[-1] if lines else f"exit code {self.popen.returncode}"
+
     def wait_ready(self, pattern: str, *, timeout: float) -> None:
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         while not regex.search(self.log_path.read_text(errors="replace")):
             if self.popen.poll() is not None:
-                last = self.log_tail(1).strip() or f"exit code {self.popen.returncode}"
-                raise ChildFailed(f"{self.name} stopped during start-up: {last} "
+                raise ChildFailed(f"{self.name} stopped during start-up: {self.failure_line()} "
                                   f"(log: {self.log_path})")
             if time.monotonic() > deadline:
                 raise ChildFailed(f"{self.name} not ready after {timeout:.0f}s "
@@ -57,10 +65,11 @@ class Child:
         if self.popen.poll() is None:
             self._signal(signal.SIGTERM)
 
-    def reap(self, deadline: float) -> None:
-        """Wait until `deadline` (monotonic), then SIGKILL whatever is left of the group."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(max(0.0, deadline - time.monotonic()))
+    def reap(self, deadline: float, hurry: Callable[[], bool]) -> None:
+        """Wait until `deadline` (monotonic) or `hurry()`, then SIGKILL what is left."""
+        while self.popen.poll() is None and time.monotonic() < deadline and not hurry():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(0.1)
         self._signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
@@ -73,6 +82,8 @@ class Children:
         self.log_dir = log_dir
         self.env = env
         self.children: list[Child] = []
+        self.hurry = False
+        """Set by a second Ctrl-C: skip the grace period and kill what is left."""
 
     def start(self, name: str, celery_args: Sequence[str], *, stage: int = 0) -> Child:
         """Start `celery -A worker_config <args>`; lower stages are stopped first."""
@@ -90,16 +101,27 @@ class Children:
     def check_alive(self) -> None:
         for child in self.children:
             if child.popen.poll() is not None:
-                raise ChildFailed(f"{child.name} exited with code {child.popen.returncode} "
-                                  f"(log: {child.log_path})")
+                raise ChildFailed(f"{child.name} exited with code {child.popen.returncode}: "
+                                  f"{child.failure_line()} (log: {child.log_path})")
 
     def stop_all(self, *, grace: float = 15.0) -> None:
         """Stop stage by stage: client workers send their final reports while the
-        holder still runs, then the holder and beat go."""
+        holder still runs, then the holder and beat go. Ctrl-C meanwhile hurries it."""
+
+        def on_interrupt(signum: int, frame: FrameType | None) -> None:
+            self.hurry = True
+
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+        try:
+            self._stop_stages(grace)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _stop_stages(self, grace: float) -> None:
         for stage in sorted({child.stage for child in self.children}):
             group = [child for child in self.children if child.stage == stage]
             for child in group:
                 child.terminate()
             deadline = time.monotonic() + grace
             for child in group:
-                child.reap(deadline)
+                child.reap(deadline, lambda: self.hurry)

@@ -32,7 +32,6 @@ ACCOUNT_WEIGHTS = {"acme": 0.4, "globex": 0.25, "initech": 0.35}
 GROUP_CEILINGS = {"export": 1}
 """A workflow's ceiling inside each account (group_limit)."""
 WORKFLOWS = {"sync": 0.5, "export": 0.25, None: 0.25}
-TASK_SECONDS = (1.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -89,12 +88,25 @@ class DemoRun:
         return env
 
 
-def workload(count: int, *, seed: int = 7) -> list[Job]:
+def task_seconds(spec: str) -> tuple[float, float]:
+    """`--task-seconds`: "MIN-MAX" or one number."""
+    low, _, high = spec.partition("-")
+    try:
+        bounds = (float(low), float(high or low))
+    except ValueError:
+        raise ConfigurationError(f"--task-seconds must be MIN-MAX, got {spec!r}") from None
+    if not 0 <= bounds[0] <= bounds[1] <= 600:
+        raise ConfigurationError(f"--task-seconds must be within 0-600, got {spec!r}")
+    return bounds
+
+
+def workload(count: int, *, seconds: tuple[float, float] = (1.0, 3.0),
+             seed: int = 7) -> list[Job]:
     """A reproducible mix of accounts, workflows and durations."""
     rng = random.Random(seed)
     accounts = rng.choices(list(ACCOUNT_WEIGHTS), weights=list(ACCOUNT_WEIGHTS.values()), k=count)
     flows = rng.choices(list(WORKFLOWS), weights=list(WORKFLOWS.values()), k=count)
-    return [Job(a, w, round(rng.uniform(*TASK_SECONDS), 2)) for a, w in zip(accounts, flows,
+    return [Job(a, w, round(rng.uniform(*seconds), 2)) for a, w in zip(accounts, flows,
                                                                              strict=True)]
 
 
@@ -113,6 +125,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def run_demo(args: argparse.Namespace) -> int:
     if args.tasks < 1 or args.tasks > 10_000:
         raise ConfigurationError("--tasks must be between 1 and 10000")
+    seconds = task_seconds(args.task_seconds)
     home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="durability-demo-"))
     home.mkdir(parents=True, exist_ok=True)
     run = DemoRun(home=home.resolve(), run_id=secrets.token_hex(3),
@@ -125,7 +138,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with _sigterm_as_interrupt():
         try:
             _start_children(children, run)
-            jobs = workload(args.tasks)
+            jobs = workload(args.tasks, seconds=seconds)
             published = _publish(app, run, jobs)
             _watch(args, run, sem, children, published)
         finally:
@@ -149,21 +162,19 @@ def _prepare(run: DemoRun) -> tuple[Any, Any]:
 
 
 def _start_children(children: Children, run: DemoRun) -> None:
+    # One after the other: kombu's filesystem transport races when two processes
+    # create the same exchange file at once (one of them dies reading it empty).
     common = ["--loglevel=INFO", "--without-mingle", "--without-gossip"]
-    holder = children.start("holder", [
+    children.start("holder", [
         "worker", "--durability-holder", "-Q", f"{run.prefix}.holder.control",
         "-n", f"holder-{run.run_id}@%h", "--pool=threads", "--concurrency=1", *common],
-        stage=1)
-    clients = [
+        stage=1).wait_ready(r"\bready\.", timeout=60)
+    for i in (1, 2):
         children.start(f"client-{i}", [
             "worker", "-Q", run.task_queue, "-n", f"client{i}-{run.run_id}@%h",
-            "--pool=threads", "--concurrency=6", *common])
-        for i in (1, 2)
-    ]
-    beat = children.start("beat", ["beat", "--loglevel=INFO"], stage=1)
-    for child in (holder, *clients):
-        child.wait_ready(r"\bready\.", timeout=60)
-    beat.wait_ready(r"beat: Starting", timeout=60)
+            "--pool=threads", "--concurrency=6", *common]).wait_ready(r"\bready\.", timeout=60)
+    children.start("beat", ["beat", "--loglevel=INFO"], stage=1).wait_ready(
+        r"beat: Starting", timeout=60)
 
 
 def _publish(app: Any, run: DemoRun, jobs: list[Job]) -> dict[str, Job]:
