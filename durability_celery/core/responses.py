@@ -3,6 +3,7 @@
 # fate of ids it reported that are gone, and why its demand stays queued.
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 from .allocate import Allocation
@@ -30,8 +31,26 @@ def lease_view(lease: Lease, ttl: float, *, settled: bool = False) -> dict[str, 
     }
 
 
-def _grants(request: Request, state: KeyState) -> list[dict[str, Any]]:
-    mine = [grant_view(g) for g in state.grants if g.client_id == request.client_id]
+class ClientIndex:
+    """The round's outcome grouped by client once, so answering n clients costs O(n)."""
+
+    def __init__(self, state: KeyState, ledger: Ledger, allocation: Allocation,
+                 ttl: float) -> None:
+        self.grants: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.leases: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.blocked: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for grant in state.grants:
+            self.grants[grant.client_id].append(grant_view(grant))
+        for lease in state.leases:
+            self.leases[lease.client_id].append(lease_view(lease, ttl))
+        for lease in ledger.settled.values():
+            self.leases[lease.client_id].append(lease_view(lease, ttl, settled=True))
+        for (client, group), (count, reason) in allocation.unmet.items():
+            self.blocked[client].append({"group": group, "reason": reason, "queued": count})
+
+
+def _grants(request: Request, index: ClientIndex) -> list[dict[str, Any]]:
+    mine = index.grants.get(request.client_id, [])
     live = {g["grant_id"] for g in mine}
     gone = [
         {"grant_id": r.grant_id, "group": None, "permits": 0, "claimed": r.claimed,
@@ -41,12 +60,8 @@ def _grants(request: Request, state: KeyState) -> list[dict[str, Any]]:
     return mine + gone
 
 
-def _leases(request: Request, state: KeyState, ledger: Ledger, ttl: float) -> list[dict[str, Any]]:
-    mine = [lease_view(le, ttl) for le in state.leases if le.client_id == request.client_id]
-    mine += [
-        lease_view(le, ttl, settled=True)
-        for le in ledger.settled.values() if le.client_id == request.client_id
-    ]
+def _leases(request: Request, index: ClientIndex) -> list[dict[str, Any]]:
+    mine = list(index.leases.get(request.client_id, []))
     known = {le["lease_id"] for le in mine}
     for report in request.leases:
         if report.lease_id in known:
@@ -65,23 +80,17 @@ def _leases(request: Request, state: KeyState, ledger: Ledger, ttl: float) -> li
 def respond(
     request: Request,
     state: KeyState,
-    ledger: Ledger,
+    index: ClientIndex,
     allocation: Allocation,
     *,
     config: RoundConfig,
     now: float,
 ) -> dict[str, Any]:
-    ttl = config.leases.ttl if config.leases is not None else 0.0
-    blocked = [
-        {"group": group, "reason": reason, "queued": count}
-        for (client, group), (count, reason) in allocation.unmet.items()
-        if client == request.client_id
-    ]
     return {
         "v": VERSION, "semaphore": state.semaphore, "key": state.key,
         "round_at": now, "next_request_at": now + config.round_period,
         "contended": allocation.contended,
-        "grants": _grants(request, state),
-        "leases": _leases(request, state, ledger, ttl),
-        "blocked": blocked,
+        "grants": _grants(request, index),
+        "leases": _leases(request, index),
+        "blocked": list(index.blocked.get(request.client_id, [])),
     }

@@ -16,7 +16,7 @@ from .keystate import Blocked, KeyState, LimitSource, worst_reason
 from .ledger import Ledger
 from .limits import ResolvedLimits
 from .messages import Request, error_response, parse_request
-from .responses import respond
+from .responses import ClientIndex, respond
 from .state import Lease
 
 __all__ = ["Blocked", "KeyState", "LimitSource", "RoundResult", "reclaim", "run_round"]
@@ -143,9 +143,11 @@ def run_round(
         limit=resolved.limit if resolved.limit is not None else state.limit,
         blocked=_blocked(allocation),
     )
+    index = ClientIndex(new_state, ledger, allocation,
+                        config.leases.ttl if config.leases is not None else 0.0)
     responses = tuple(
         error_response(request) if isinstance(request, InvalidMessage)
-        else respond(request, new_state, ledger, allocation, config=config, now=now)
+        else respond(request, new_state, index, allocation, config=config, now=now)
         for request in checked
     )
     return RoundResult(new_state, responses)
