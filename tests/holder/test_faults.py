@@ -17,7 +17,7 @@ from kombu import Consumer, Producer
 
 from durability_celery.holder import MAX_BODY_BYTES, holder_queue_declaration
 
-from .conftest import Backend, HolderRig, semaphore_config
+from .conftest import REDIS_DB, Backend, HolderRig, semaphore_config
 from .test_holder import run_workers, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -124,7 +124,7 @@ def test_bad_messages_get_error_replies_and_the_holder_keeps_serving(
         wire.close()
 
 
-def test_a_raw_garbage_entry_on_redis_does_not_stop_the_holder(
+def test_redis_garbage_entries_and_connection_loss_do_not_stop_the_holder(
         redis_pg_backend: Backend, make_rig: Any) -> None:
     import redis
 
@@ -155,6 +155,24 @@ def test_a_raw_garbage_entry_on_redis_does_not_stop_the_holder(
     assert wait_until(lambda: server.exists(gone) == 1, timeout=5)
     ttl_ms = server.pttl(gone)
     assert 0 < ttl_ms <= rig.durability.settings.reply_expires * 1000, ttl_ms
+    # broker connection loss: cut every connection to this test's Redis DB (only
+    # ours: other engineers' DBs stay untouched); the holder reconnects
+    mine = [c["id"] for c in server.client_list() if int(c.get("db", -1)) == REDIS_DB]
+    for client_id in mine:
+        with contextlib.suppress(redis.ResponseError):
+            server.client_kill_filter(_id=client_id)
+    holder.wait_for_log(r"broker connection lost", timeout=10)
+    client._disconnect()
+    client.client.enqueue(key, None, "item-2", enqueued_at=time.time())
+    assert wait_until(lambda: _granted(client, key), timeout=20, step=0.5)
+    assert holder.popen.poll() is None
+
+
+def _granted(client: Any, key: str) -> bool:
+    try:
+        return bool(client.request(key, timeout=2.0).get("grants"))
+    except Exception:
+        return False
 
 
 def test_a_restarted_holder_follows_deadlines_set_before_it(
