@@ -6,6 +6,7 @@
 # one lock serializes every SemaphoreClient call, since pool threads release.
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -110,6 +111,9 @@ class Gate:
         self.state = GateState()
         self.lock = threading.RLock()
         self._turn = 0
+        # Correlation ids: unique per gate without a urandom call per message.
+        self._correlation = itertools.count()
+        self._correlation_prefix = uuid.uuid4().hex[:12]
 
     # -- requests arriving (event-loop thread) -------------------------------
 
@@ -272,7 +276,7 @@ class Gate:
         out = []
         for name, client in self.clients.items():
             for key in client.due():
-                correlation_id = uuid.uuid4().hex
+                correlation_id = f"{self._correlation_prefix}-{next(self._correlation)}"
                 body = client.message(key)
                 # Only the newest message per key is awaited; a late reply to an
                 # older one is dropped (the next reply lists every grant anyway).

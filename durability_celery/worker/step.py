@@ -76,6 +76,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.producer: Any = None
         self._timers: list[Any] = []
         self._wake_pending = False
+        self._running = False
         # The strategy of AdmittedTask finds the gate here (strategy.py).
         c.durability_gate = self.gate
         c.durability_step = self
@@ -122,6 +123,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         super().start(c)
+        self._running = True
         self._timers = [c.timer.call_repeatedly(PUMP_INTERVAL, self.pump),
                         c.timer.call_repeatedly(SUMMARY_INTERVAL, log_summary, (self.gate,))]
         logger.info("durability: gate started as client %s (hold deadline %.0fs, max held %d)",
@@ -136,6 +138,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         super().shutdown(c)
 
     def _close_gate(self) -> None:
+        self._running = False  # a wake already scheduled must not publish on a closed channel
         for entry in self._timers:
             entry.cancel()
         self._timers = []
@@ -152,6 +155,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def pump(self) -> None:
         self._wake_pending = False
+        if not self._running:
+            return
         try:
             for message in self.gate.pump():
                 self._publish(message)
