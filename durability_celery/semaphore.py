@@ -14,6 +14,7 @@ from typing import Any, Protocol, overload
 from sqlalchemy import Engine
 
 from . import store
+from .core.clients import Forgotten, forget_client
 from .core.config import Leases, RoundConfig, validate_limit_value
 from .core.round import KeyState, reclaim, run_round
 from .core.usage import Usage, usage
@@ -246,3 +247,35 @@ class DurabilitySemaphore:
         """Every key of this semaphore that has had a round."""
         with store.transaction(self._engine, write=False) as conn:
             return [key for _, key in store.all_keys(conn, self.name)]
+
+    def silent_clients(self, *, silent_for: float,
+                       now: float | None = None) -> dict[str, list[str]]:
+        """Clients holding grants or leases that no holder has heard from for `silent_for`
+        seconds, with the keys where they hold something. Silence alone proves nothing (a
+        long task on a grant sends no reports): confirm a client is gone before forgetting it.
+        """
+        at = self._now(now)
+        found: dict[str, list[str]] = {}
+        with store.transaction(self._engine, write=False) as conn:
+            for client_id, key, _ in store.silent_clients(conn, self.name,
+                                                          before=at - silent_for):
+                found.setdefault(client_id, []).append(key)
+        return found
+
+    def forget_client(self, key: str, client_id: str, *, silent_for: float,
+                      now: float | None = None) -> Forgotten | None:
+        """Settle a client confirmed gone: drop its grants and leases of `key`.
+
+        Re-checked under the key's lock: a client heard from within `silent_for`
+        (it came back since it was found silent) is left alone and None returned.
+        """
+        key = self._check_key(key)
+        at = self._now(now)
+        with store.transaction(self._engine, write=True) as conn:
+            old = store.read(conn, self.name, key, lock=True)
+            seen = {c.client_id: c.last_seen_at for c in old.clients} if old else {}
+            if old is None or client_id not in seen or seen[client_id] >= at - silent_for:
+                return None
+            new, forgotten = forget_client(old, client_id)
+            store.save(conn, old, new, now=at)
+        return forgotten

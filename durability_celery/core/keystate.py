@@ -32,6 +32,14 @@ class Blocked:
 
 
 @dataclass(frozen=True)
+class ClientSeen:
+    """When a client holding grants or leases of a key last reached its holder."""
+
+    client_id: str
+    last_seen_at: float
+
+
+@dataclass(frozen=True)
 class KeyState:
     semaphore: str
     key: str
@@ -42,6 +50,8 @@ class KeyState:
     limit: int | None = None
     """The limit resolved by the last round (None: never resolved, or it failed)."""
     blocked: tuple[Blocked, ...] = ()
+    clients: tuple[ClientSeen, ...] = ()
+    """Clients that hold something here, with when they were last heard from."""
 
     @property
     def next_claim_deadline(self) -> float | None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import InvalidMessage
 from .allocate import Allocation, Demand, allocate
+from .clients import mark_seen
 from .config import RoundConfig
 from .keystate import Blocked, KeyState, LimitSource, worst_reason
 from .ledger import Ledger
@@ -92,7 +93,7 @@ def reclaim(state: KeyState, *, config: RoundConfig, now: float) -> KeyState:
     """The alarm: reclaim expired unclaimed grants and retire stale leases, with no messages."""
     ledger = Ledger.of(state.grants, state.leases)
     _prepare(ledger, config, now)
-    return _with(state, ledger)
+    return mark_seen(_with(state, ledger), set(), now)
 
 
 def _with(state: KeyState, ledger: Ledger, **changes: Any) -> KeyState:
@@ -143,6 +144,8 @@ def run_round(
         limit=resolved.limit if resolved.limit is not None else state.limit,
         blocked=_blocked(allocation),
     )
+    heard = {r.client_id for r in checked if isinstance(r, Request)}
+    new_state = mark_seen(new_state, heard, now)
     index = ClientIndex(new_state, ledger, allocation,
                         config.leases.ttl if config.leases is not None else 0.0)
     responses = tuple(

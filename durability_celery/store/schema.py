@@ -88,6 +88,18 @@ keys = Table(
     Index("ix_durability_semaphore_keys_deadline", "semaphore", "next_claim_deadline"),
 )
 
+# Clients holding grants or leases of a key, and when each was last heard
+# from: what reconciliation reads to find clients that may be gone.
+clients = Table(
+    "durability_semaphore_clients",
+    metadata,
+    Column("semaphore", String(NAME_LENGTH), primary_key=True),
+    Column("key", String(NAME_LENGTH), primary_key=True),
+    Column("client_id", String(NAME_LENGTH), primary_key=True),
+    Column("last_seen_at", Double, nullable=False),
+    Index("ix_durability_semaphore_clients_seen", "semaphore", "last_seen_at"),
+)
+
 schema_version = Table(
     "durability_semaphore_schema",
     metadata,

@@ -15,9 +15,10 @@ from sqlalchemy import String, bindparam, delete, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from ..core.keystate import ClientSeen
 from ..core.round import Blocked, KeyState
 from ..core.state import Grant, Lease
-from .schema import grants, keys, leases
+from .schema import clients, grants, keys, leases
 
 GRANT_COLUMNS = tuple(f.name for f in fields(Grant))
 LEASE_COLUMNS = tuple(f.name for f in fields(Lease))
@@ -58,6 +59,11 @@ _SELECT_KEY = select(keys.c.last_round_at, keys.c.rounds, keys.c.limit, keys.c.b
     .where(_of_key(keys))
 _SELECT_KEY_LOCKED = _SELECT_KEY.with_for_update()
 _UPDATE_KEY = update(keys).where(_of_key(keys))
+_SELECT_CLIENTS = (select(clients.c.client_id, clients.c.last_seen_at)
+                   .where(_of_key(clients)).order_by(clients.c.client_id))
+_UPDATE_CLIENT = (update(clients).where(_of_key(clients),
+                                        clients.c.client_id == bindparam("b_id")))
+_DELETE_CLIENT = delete(clients).where(_of_key(clients), clients.c.client_id == bindparam("b_id"))
 _NEW_KEY = {"rounds": 0, "blocked": "[]"}
 
 
@@ -104,6 +110,7 @@ def read(conn: Connection, semaphore: str, key: str, *, lock: bool = False) -> K
         rounds=rounds,
         limit=limit,
         blocked=_blocked_from_json(blocked),
+        clients=tuple(ClientSeen(c, at) for c, at in conn.execute(_SELECT_CLIENTS, params)),
     )
 
 
@@ -182,6 +189,24 @@ def _write_diff(conn: Connection, stmts: _Statements, where: dict[str, str],
     return bool(inserted or updated or deleted)
 
 
+def _write_clients(conn: Connection, where: dict[str, str], old: KeyState,
+                   new: KeyState) -> bool:
+    before = {c.client_id: c.last_seen_at for c in old.clients}
+    after = {c.client_id: c.last_seen_at for c in new.clients}
+    added = [{"semaphore": where["b_semaphore"], "key": where["b_key"], "client_id": c,
+              "last_seen_at": at} for c, at in after.items() if c not in before]
+    moved = [{**where, "b_id": c, "last_seen_at": at}
+             for c, at in after.items() if c in before and before[c] != at]
+    gone = [{**where, "b_id": c} for c in before if c not in after]
+    if added:
+        conn.execute(insert(clients), added)
+    if moved:
+        conn.execute(_UPDATE_CLIENT, moved)
+    if gone:
+        conn.execute(_DELETE_CLIENT, gone)
+    return bool(added or moved or gone)
+
+
 def _key_row(state: KeyState) -> dict[str, Any]:
     return {
         "last_round_at": state.last_round_at, "rounds": state.rounds, "limit": state.limit,
@@ -201,6 +226,7 @@ def save(conn: Connection, old: KeyState, new: KeyState, *, now: float | None = 
     where = {"b_semaphore": new.semaphore, "b_key": new.key}
     changed = _write_diff(conn, _GRANTS, where, old.grants, new.grants)
     changed |= _write_diff(conn, _LEASES, where, old.leases, new.leases)
+    changed |= _write_clients(conn, where, old, new)
     row = _key_row(new)
     if changed or row != _key_row(old):
         stamp = now if now is not None else new.last_round_at
@@ -230,3 +256,12 @@ def all_keys(conn: Connection, semaphore: str | None = None) -> list[tuple[str, 
     if semaphore is not None:
         query = query.where(keys.c.semaphore == semaphore)
     return [(s, k) for s, k in conn.execute(query)]
+
+
+def silent_clients(conn: Connection, semaphore: str, *,
+                   before: float) -> list[tuple[str, str, float]]:
+    """(client_id, key, last_seen_at) of clients holding something, unheard since `before`."""
+    query = (select(clients.c.client_id, clients.c.key, clients.c.last_seen_at)
+             .where(clients.c.semaphore == semaphore, clients.c.last_seen_at < before)
+             .order_by(clients.c.client_id, clients.c.key))
+    return [(c, k, float(at)) for c, k, at in conn.execute(query)]

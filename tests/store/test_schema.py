@@ -15,6 +15,7 @@ TABLES = {
     "durability_semaphore_grants",
     "durability_semaphore_leases",
     "durability_semaphore_keys",
+    "durability_semaphore_clients",
     "durability_semaphore_schema",
 }
 

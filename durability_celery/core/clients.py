@@ -1,0 +1,54 @@
+# Which clients hold what under a key, when each was last heard from, and how
+# a client confirmed gone is forgotten. The spec leaves a vanished client's
+# claims charged forever; forgetting is the one move that frees them, so it
+# is explicit, per client, and never decided here (the caller confirms death).
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .keystate import ClientSeen, KeyState
+
+
+def holders(state: KeyState) -> set[str]:
+    """Clients that hold at least one grant or lease of this key."""
+    return {g.client_id for g in state.grants} | {le.client_id for le in state.leases}
+
+
+def mark_seen(state: KeyState, heard: set[str], now: float) -> KeyState:
+    """Stamp the clients heard from this round; keep only clients that still hold something."""
+    holding = holders(state)
+    seen = {c.client_id: c.last_seen_at for c in state.clients}
+    for client_id in heard:
+        seen[client_id] = now
+    clients = tuple(
+        ClientSeen(client_id, at) for client_id, at in sorted(seen.items()) if client_id in holding
+    )
+    # A holder with no stamp (state written before stamps existed) counts as seen now.
+    missing = holding - {c.client_id for c in clients}
+    clients += tuple(ClientSeen(client_id, now) for client_id in sorted(missing))
+    return replace(state, clients=tuple(sorted(clients, key=lambda c: c.client_id)))
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """What forgetting one client freed under one key."""
+
+    client_id: str
+    grants: int
+    leases: int
+    permits: int
+    """Footprint that stopped counting against the limit."""
+
+
+def forget_client(state: KeyState, client_id: str) -> tuple[KeyState, Forgotten]:
+    """Drop every grant and lease of `client_id`: only for a client confirmed gone."""
+    grants = [g for g in state.grants if g.client_id == client_id]
+    leases = [le for le in state.leases if le.client_id == client_id]
+    freed = sum(g.footprint for g in grants) + sum(le.footprint for le in leases)
+    new_state = replace(
+        state,
+        grants=tuple(g for g in state.grants if g.client_id != client_id),
+        leases=tuple(le for le in state.leases if le.client_id != client_id),
+        clients=tuple(c for c in state.clients if c.client_id != client_id),
+    )
+    return new_state, Forgotten(client_id, len(grants), len(leases), freed)

@@ -1,0 +1,79 @@
+# Forgetting a client confirmed gone, at the store level, on SQLite and
+# PostgreSQL: who is silent, what forgetting frees, and that a client heard
+# from again in the meantime is never forgotten.
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "core"))
+
+from core_harness import KEY, Limits, request, sync  # noqa: E402
+
+from durability_celery import DurabilitySemaphore, Leases, Strict  # noqa: E402
+
+T0 = 10_000.0
+
+
+def semaphore(url: str) -> DurabilitySemaphore:
+    limits = Limits(6)
+    sem = DurabilitySemaphore("accounts", database=url, limit=limits.limit,
+                              leases=Leases(Strict(), permits_per_lease=2))
+    sem.migrate()
+    return sem
+
+
+def hold(sem: DurabilitySemaphore, client: str, now: float) -> dict[str, Any]:
+    (reply,) = sem.run_round(KEY, [request(client, [(None, 2, 1.0)], supports_leases=True)],
+                             now=now)
+    return reply
+
+
+def test_silent_clients_are_those_unheard_since(database_url: str) -> None:
+    sem = semaphore(database_url)
+    hold(sem, "a", T0)
+    reply_b = hold(sem, "b", T0)
+    gid = reply_b["grants"][0]["grant_id"]
+    sem.run_round(KEY, [sync("b", grants=[(gid, 1, 0)])], now=T0 + 50)
+    assert sem.silent_clients(silent_for=30, now=T0 + 60) == {"a": [KEY]}
+    assert sem.silent_clients(silent_for=70, now=T0 + 60) == {}
+
+
+def test_forgetting_a_gone_client_frees_its_footprint_only(database_url: str) -> None:
+    sem = semaphore(database_url)
+    a = hold(sem, "a", T0)
+    hold(sem, "b", T0)
+    gid = a["grants"][0]["grant_id"]
+    sem.run_round(KEY, [sync("a", grants=[(gid, 2, 0)])], now=T0 + 1)  # claimed: never expires
+    before = sem.usage(KEY, now=T0 + 100)
+    forgotten = sem.forget_client(KEY, "a", silent_for=30, now=T0 + 100)
+    assert forgotten is not None
+    assert (forgotten.grants, forgotten.leases, forgotten.permits) == (1, 1, 4)
+    after = sem.usage(KEY, now=T0 + 100)
+    assert after.in_use == before.in_use - 4
+    assert "a" not in sem.silent_clients(silent_for=0, now=T0 + 100)
+    # If it was not dead after all, its reports find nothing to free again.
+    (late,) = sem.run_round(KEY, [sync("a", grants=[(gid, 2, 2)])], now=T0 + 101)
+    assert late["grants"][0]["status"] == "not_found"
+    assert sem.usage(KEY, now=T0 + 101).in_use == after.in_use
+
+
+def test_a_client_heard_from_again_is_not_forgotten(database_url: str) -> None:
+    sem = semaphore(database_url)
+    hold(sem, "a", T0)
+    assert sem.silent_clients(silent_for=30, now=T0 + 60) == {"a": [KEY]}
+    sem.run_round(KEY, [sync("a")], now=T0 + 59)  # came back between the scan and the settle
+    assert sem.forget_client(KEY, "a", silent_for=30, now=T0 + 60) is None
+    assert sem.usage(KEY, now=T0 + 60).leases == 1  # its lease still counts
+
+
+def test_clients_holding_nothing_are_not_tracked(database_url: str) -> None:
+    sem = semaphore(database_url)
+    reply = hold(sem, "a", T0)
+    gid = reply["grants"][0]["grant_id"]
+    lid = reply["leases"][0]["lease_id"]
+    sem.run_round(KEY, [sync("a", grants=[(gid, 2, 2)], leases=[(lid, 0, 0, True)])],
+                  now=T0 + 1)
+    assert sem.state(KEY).clients == ()
+    assert sem.silent_clients(silent_for=0, now=T0 + 100) == {}
