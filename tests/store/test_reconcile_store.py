@@ -9,9 +9,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "core"))
 
-from core_harness import KEY, Limits, request, sync  # noqa: E402
+from core_harness import KEY, Limits, request, sync
 
-from durability_celery import DurabilitySemaphore, Leases, Strict  # noqa: E402
+from durability_celery import DurabilitySemaphore, Leases, Strict
 
 T0 = 10_000.0
 
