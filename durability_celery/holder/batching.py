@@ -59,9 +59,11 @@ class Batcher:
         self._timing = timing
         self._max_batch = max_batch
         self._slots: dict[KeyId, _Slot] = {}
+        self._waiting = 0
 
     def add(self, key_id: KeyId, request: Waiting) -> None:
         self._slots.setdefault(key_id, _Slot()).waiting.append(request)
+        self._waiting += 1
 
     def set_alarm(self, key_id: KeyId, deadline: float) -> None:
         """Follow `deadline` if it is earlier than the alarm already set for the key."""
@@ -97,6 +99,7 @@ class Batcher:
             if slot.waiting and self._round_at(key_id, slot) <= now:
                 batch = slot.waiting[: self._max_batch]
                 del slot.waiting[: self._max_batch]
+                self._waiting -= len(batch)
                 slot.busy = True
                 slot.last_round_at = now
                 jobs.append(Round(key_id, tuple(batch)))
@@ -148,10 +151,11 @@ class Batcher:
         for slot in self._slots.values():
             dropped.extend(slot.waiting)
             slot.waiting.clear()
+        self._waiting = 0
         return dropped
 
     def waiting_count(self) -> int:
-        return sum(len(slot.waiting) for slot in self._slots.values())
+        return self._waiting
 
     def alarm(self, key_id: KeyId) -> float | None:
         slot = self._slots.get(key_id)

@@ -23,6 +23,9 @@ logger = logging.getLogger("durability_celery.holder")
 
 RETRY_AFTER_FAILURE = 2.0
 """A reclaim that failed (database down) is tried again this much later."""
+MAX_WAITING = 50_000
+"""Requests held for rounds at once; more are answered `unavailable` so a flood
+cannot exhaust the holder's memory (clients back off and ask again)."""
 MAX_SLEEP = 0.5
 """Longest wait for an event, so a stop is noticed promptly even without one."""
 
@@ -138,7 +141,11 @@ class Dispatcher(threading.Thread):
 
     def _handle(self, event: object) -> None:
         if isinstance(event, _Incoming):
-            self._batcher.add(event.key_id, event.request)
+            if self._batcher.waiting_count() < MAX_WAITING:
+                self._batcher.add(event.key_id, event.request)
+            elif event.request.reply_to:
+                self._publisher.publish(event.request.reply_to, event.request.correlation_id,
+                                        error_reply("unavailable", "the holder is overloaded"))
         elif isinstance(event, _RoundDone):
             self._round_done(event)
         elif isinstance(event, _ReclaimDone):

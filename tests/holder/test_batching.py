@@ -135,3 +135,15 @@ def test_the_next_round_is_spaced_from_the_time_the_round_recorded() -> None:
     b.finished(K, round_at=1.02)  # the round read its clock a little after it started
     b.add(K, req(1.5, 2))
     assert b.round_at(K) == 1.02 + PERIOD
+
+
+def test_waiting_count_follows_adds_rounds_and_drops() -> None:
+    b = batcher()
+    for n in range(5):
+        b.add(K, req(0.0, n))
+    b.add(K2, req(0.0, 9))
+    assert b.waiting_count() == 6
+    b.take_due(1.0)  # K takes 3 (max_batch), K2 takes 1
+    assert b.waiting_count() == 2
+    b.drop_waiting()
+    assert b.waiting_count() == 0
