@@ -46,11 +46,13 @@ class Durability:
         # plain producer process never needs to load.
         from .beat import install as install_beat
         from .holder import install as install_holder
+        from .reconcile import install as install_reconcile
         from .worker import install as install_gate
 
         install_holder(self)
         install_gate(self)
         install_beat(self)
+        install_reconcile(self)
 
     def semaphore(self, name: str) -> DurabilitySemaphore:
         """The semaphore called `name`, or a ConfigurationError naming the known ones."""

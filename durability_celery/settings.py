@@ -39,6 +39,11 @@ class DurabilitySettings:
     reclaim_interval: float = 10.0
     """How often beat reclaims expired unclaimed grants (a safety net under the holder's timer)."""
     supports_leases: bool = True
+    reconcile_after: float | None = None
+    """Forget a client's grants and leases once no holder heard from it for this long AND
+    no live worker claims its id (None, the default: never; the spec's behaviour)."""
+    reconcile_interval: float = 60.0
+    """How often beat looks for silent clients when `reconcile_after` is set."""
 
     def __post_init__(self) -> None:
         _check_range("shards", self.shards, 1, 4096)
@@ -55,5 +60,8 @@ class DurabilitySettings:
         _check_range("reply_expires", self.reply_expires, 1, 86400)
         _check_range("round_threads", self.round_threads, 1, 256)
         _check_range("reclaim_interval", self.reclaim_interval, 0.1, 86400)
+        if self.reconcile_after is not None:
+            _check_range("reconcile_after", self.reconcile_after, 10, 30 * 86400)
+        _check_range("reconcile_interval", self.reconcile_interval, 0.1, 86400)
         if not isinstance(self.supports_leases, bool):
             raise ConfigurationError("supports_leases must be a bool")
