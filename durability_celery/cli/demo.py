@@ -49,6 +49,7 @@ class DemoRun:
     run_id: str
     database_url: str
     broker_url: str | None
+    leases: bool = True
 
     @property
     def semaphore(self) -> str:
@@ -70,7 +71,7 @@ class DemoRun:
         semaphores = {self.semaphore: {
             "limit": 1, "keys": ACCOUNTS, "groups": GROUP_CEILINGS,
             "round_wait": 0.1, "round_period": 0.5, "grant_timeout": 5,
-            "leases": {"permits_per_lease": 2, "ttl": 60},
+            "leases": {"permits_per_lease": 2, "ttl": 60} if self.leases else None,
         }}
         env = {
             "DURABILITY_HOME": str(self.home),
@@ -130,7 +131,7 @@ def run_demo(args: argparse.Namespace) -> int:
     home.mkdir(parents=True, exist_ok=True)
     run = DemoRun(home=home.resolve(), run_id=secrets.token_hex(3),
                   database_url=args.database or f"sqlite:///{home.resolve() / 'demo.db'}",
-                  broker_url=args.broker)
+                  broker_url=args.broker, leases=not args.no_leases)
     os.environ.update(run.env())  # this process publishes through the same worker_config
     app, sem = _prepare(run)
     (home / "logs").mkdir(exist_ok=True)

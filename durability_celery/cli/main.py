@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tasks to publish (default 90: about a minute)")
     demo.add_argument("--task-seconds", default="1-3", metavar="MIN-MAX",
                       help="how long each task runs, a random range (default 1-3)")
+    demo.add_argument("--no-leases", action="store_true",
+                      help="grants only: every task start waits for a round trip to the holder")
     demo.add_argument("--home", metavar="DIR",
                       help="folder for the demo's files (default: a new temporary folder)")
     demo.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS",
