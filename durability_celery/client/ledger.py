@@ -188,9 +188,12 @@ class KeyLedger:
         offset = view.claim_deadline - round_at if view.claim_deadline is not None else 0.0
         deadline = anchor + offset
         if copy is None:
-            # A grant from a reply we never saw: adopt the holder's marks as ours.
+            # A grant from a reply we never saw, or one forgotten long ago and
+            # carried again by a late reply. No item of ours runs on it either way
+            # (we forget a grant only when all its claims are released), so its
+            # claims are reported released: the holder must not count them forever.
             copy = GrantCopy(view.grant_id, view.group, view.permits, deadline,
-                             claimed=view.claimed, released=view.released)
+                             claimed=view.claimed, released=view.claimed)
             self.grants[view.grant_id] = copy
         copy.claim_deadline = min(copy.claim_deadline, deadline)
         copy.acked_claimed = max(copy.acked_claimed, view.claimed)
@@ -210,9 +213,10 @@ class KeyLedger:
             return
         remaining = max(0.0, view.expires_at - round_at) if view.expires_at is not None else 0.0
         if copy is None:
+            # As for grants: nothing of ours runs on a lease we did not know.
             copy = LeaseCopy(view.lease_id, view.group, view.permits,
                              expires_at=anchor + remaining, heartbeat_at=anchor + remaining / 2,
-                             ttl=remaining, drawn=view.drawn, released=view.released)
+                             ttl=remaining, drawn=view.drawn, released=view.drawn)
             self.leases[view.lease_id] = copy
             if not draw:
                 copy.stop()

@@ -328,6 +328,36 @@ def test_a_repeated_old_reply_cannot_hand_out_a_used_grant_again() -> None:
     assert grant_reports(client.message(KEY)) == {}
 
 
+def test_a_very_late_reply_cannot_leave_claims_charged_forever() -> None:
+    # Found by the lossy simulation against the core: a forgotten grant came back
+    # from a late duplicate (claimed=1, released=0) after its id was no longer
+    # remembered; it must be reported released, not kept silently unfinished.
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claim_deadline=clock.now + 10)]))
+    client.admit()
+    client.message(KEY)
+    late = reply(clock.now, grants=[
+        grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)])
+    client.release("t1")
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claimed=1, released=1, claim_deadline=clock.now + 10)]))
+    clock.advance(11)
+    assert client.settled()  # forgotten, and past its deadline the id is dropped too
+    client.on_response(KEY, late)
+    assert not client.settled()
+    assert client.next_due_at() == clock.now + 2.0  # that reply's round_period
+    clock.advance(2.0)
+    assert client.due() == [KEY]
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+    client.on_response(KEY, reply(clock.now, grants=[grant("g1", status="not_found")]))
+    assert client.settled()
+
+
 def test_stop_reports_every_lease_stopped_and_admits_nothing() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, permits=4)
