@@ -1,8 +1,11 @@
 # One client's copy of the grants and leases it holds for one key, and when
 # that key must talk to the holder. Rules it keeps: reports are cumulative
 # high-water marks; what a reply says only moves a copy forward (statuses
-# never go back, permits only shrink, acknowledged marks only rise); a grant
-# or lease once forgotten is never adopted again from a late reply.
+# never go back, permits only shrink, acknowledged marks only rise); a
+# forgotten grant or lease is never claimed or drawn from again: its id is
+# remembered while a late reply could still make it usable (a grant until its
+# claim deadline, a lease for two lifetimes), and a copy adopted after that is
+# already past its deadline or expiry and is only reported released.
 #
 # Times from the holder are turned into local times by their offset from the
 # reply's `round_at`, anchored at the earlier of the send time of the message
