@@ -18,6 +18,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from durability_celery.worker import AdmittedTask
 CONFIG_ENV = "BENCH_ADMISSION_CONFIG"
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "admission.txt"
+PG_USER = os.environ.get("BENCH_PG_USER", "postgres")
 KEYS = 16
 LIMIT = 50  # per key: high enough that the pool, not the budget, is the bottleneck
 
@@ -141,6 +143,21 @@ def bench_pool(config: dict[str, Any], pool: str, concurrency: int, tasks: int,
         _stop(holder)
 
 
+def _create_database() -> tuple[str, Any]:
+    """A PostgreSQL database of its own (trust auth on 127.0.0.1), and how to drop it."""
+    import psycopg
+
+    admin = psycopg.connect(host="127.0.0.1", user=PG_USER, dbname="test", autocommit=True)
+    name = f"dc_bench_admission_{secrets.token_hex(4)}"
+    admin.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+
+    return f"postgresql+psycopg://{PG_USER}@127.0.0.1:5432/{name}", drop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", type=int, default=2000)
@@ -151,12 +168,9 @@ def main() -> None:
                              "semaphore defaults, then a fast setting)")
     options = parser.parse_args()
 
-    sys.path.insert(0, str(ROOT))
-    from tests.conftest import create_postgres_database  # type: ignore[attr-defined]
-
-    database, drop = create_postgres_database("dc_bench_admission")
-    log_dir = ROOT / "benchmarks" / "results" / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    database, drop = _create_database()
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_admission-"))
+    print(f"worker logs in {log_dir}", flush=True)
     broker = "redis://127.0.0.1:6379/6"
     redis.Redis.from_url(broker).flushdb()
     reports = []
