@@ -246,11 +246,16 @@ def _watch(args: argparse.Namespace, run: DemoRun, sem: Any, children: Children,
 
 
 def _save_svg(snap: Snapshot, path: Path) -> None:
+    """One frame of the live view as SVG (docs/demo.png is made from it)."""
     from rich.console import Console
 
-    console = Console(record=True, width=100, file=open(os.devnull, "w"))  # noqa: SIM115
-    console.print(live_view(snap))
-    console.save_svg(str(path), title="durability-celery demo")
+    with open(os.devnull, "w") as sink:
+        console = Console(record=True, width=100, file=sink)
+        console.print(live_view(snap))
+    svg = console.export_svg(title="durability-celery demo")
+    # Renderers other than browsers drop the non-breaking spaces at span edges
+    # unless whitespace is preserved explicitly.
+    path.write_text(svg.replace("<svg ", '<svg xml:space="preserve" ', 1))
 
 
 def verdict(run: DemoRun, published: dict[str, Job]) -> dict[str, Any]:
