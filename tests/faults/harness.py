@@ -1,0 +1,130 @@
+# The fault suite's harness: the gate tests' `Cluster` running this suite's own
+# app module (tests/faults/fault_app.py), and the invariant check every scenario
+# ends with. The ledger (an independent Redis DB the tasks write) is the witness;
+# the holder's tables are only asked whether usage returned to zero.
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from support import Proc, Processes
+
+from tests.worker.conftest import Cluster
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+class FaultCluster(Cluster):
+    """The gate tests' Cluster, running tests.faults.fault_app in every process."""
+
+    def __init__(self, processes: Processes, config: dict[str, Any],
+                 env: dict[str, str] | None = None) -> None:
+        from tests.faults.fault_app import CONFIG_ENV, define_tasks, make_app
+
+        self.processes = processes
+        self.config = config
+        self.env = {CONFIG_ENV: json.dumps(config), **(env or {})}
+        self.app, self.durability = make_app(config)
+        self.admitted, self.plain = define_tasks(self.app, config)
+        self.ledger = redis.Redis.from_url(config["ledger_url"], decode_responses=True)
+        self.semaphore = self.durability.semaphore(config["semaphore"]["name"])
+        self.workers: list[Proc] = []
+        self.holders: list[Proc] = []
+
+    def _spawn(self, name: str, args: tuple[str, ...]) -> Proc:
+        cmd = [sys.executable, "-m", "celery", "-A", "tests.faults.fault_app", "worker",
+               "--loglevel=INFO", "--without-mingle", "--without-gossip",
+               f"--hostname={name}-{secrets.token_hex(3)}@%h", *args]
+        proc = self.processes.spawn(cmd, name=name, env=self.env, pythonpath=[REPO])
+        if name == "holder":
+            self.holders.append(proc)
+        return proc
+
+    def publish(self, n: int, *, key: str, group: str | None = None,
+                work: float = 0.2) -> list[str]:
+        return [str(self.admitted.apply_async(
+            kwargs={"account": key, "group": group, "work": work}).id) for _ in range(n)]
+
+    def events(self) -> list[Event]:
+        return [Event(*json.loads(raw)) for raw in self.ledger.lrange("events", 0, -1)]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} ({p.log_path}) ---\n{p.log()[-2500:]}"
+                         for p in self.processes.procs)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One ledger entry: a task started or ended, with the concurrency after it."""
+
+    at: str
+    kind: str
+    task_id: str
+    key: str
+    group: str
+    running: int
+    group_running: int
+
+    @property
+    def time(self) -> float:
+        return float(self.at)
+
+
+@dataclass
+class Outcome:
+    """What `check_invariants` measured."""
+
+    ran: int
+    max_running: dict[str, int]
+    usage_zero_after: dict[str, float] = field(default_factory=dict)
+
+
+def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str, int],
+                     group_limits: dict[str, int] | None = None, extra: int = 0,
+                     lost: frozenset[str] = frozenset(), timeout: float = 60.0,
+                     settle: float = 20.0) -> Outcome:
+    """The suite's invariants, from the ledger and the holder's own tables.
+
+    Every published task ran exactly once and ended (except `lost`: running on a
+    worker that was SIGKILLed; those started once and never ended); concurrency
+    per key never above limit + extra, per group never above its ceiling; usage
+    returns to zero within `settle` seconds of the last end (the measured time is
+    returned).
+    """
+    expected = set(ids)
+    cluster.wait_for("every task to run and end", lambda: (
+        set(cluster.starts()) >= expected and set(cluster.ends()) | lost >= expected),
+        timeout=timeout, context=lambda: (
+            f"{len(expected - set(cluster.starts()))} not started, "
+            f"{len(expected - set(cluster.ends()) - lost)} not ended; {cluster.logs()}"))
+    last_end = time.time()
+    starts = cluster.starts()
+    twice = {i: n for i, n in starts.items() if i in expected and n != 1}
+    assert not twice, f"tasks ran more than once: {twice}"
+    assert set(starts) == expected, f"unexpected tasks ran: {set(starts) - expected}"
+    assert set(cluster.ends()) == expected - lost
+    peaks = {key: cluster.max_running(key) for key in limits}
+    for key, limit in limits.items():
+        assert peaks[key] <= limit + extra, (key, peaks[key], limit + extra)
+    for key in limits:
+        for group, ceiling in (group_limits or {}).items():
+            assert cluster.max_running(key, group) <= ceiling, (key, group)
+    outcome = Outcome(ran=len(starts), max_running=peaks)
+    for key in limits:
+        cluster.wait_for(f"usage of {key} back to zero",
+                         lambda key=key: cluster.semaphore.usage(key).in_use == 0,
+                         timeout=settle,
+                         context=lambda key=key: str(cluster.semaphore.state(key)))
+        outcome.usage_zero_after[key] = round(time.time() - last_end, 2)
+    return outcome
+
+
+def report(name: str, **measured: Any) -> None:
+    """Print one measured line (shown with -s; docs/faults.md quotes them)."""
+    print(f"\nFAULT-RESULT {name}: " + json.dumps(measured, default=str), flush=True)

@@ -1,0 +1,48 @@
+# Reports lost, duplicated and reordered on the wire. Every client worker wraps
+# its gate's publish and reply handler (tests/faults/fault_app.py, DC_FAULT_WIRE):
+# of the messages to the holder and of its replies, 20% are dropped, 10% sent
+# twice and 10% delayed 0.2-1.5 s (so they arrive after newer ones). High-water
+# marks must make all of that harmless: no key or group above its ceiling, every
+# task exactly once, and usage back to zero (unclaimed permits of grants whose
+# reply was lost come back at their claim deadline).
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.faults.harness import FaultCluster, check_invariants, report
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+WIRE = "drop=0.2,dup=0.1,delay=0.1"
+LIMITS = {"w1": 3, "w2": 2}
+GROUP_LIMITS = {"g1": 1}
+GRANT_TIMEOUT = 3.0
+
+
+@pytest.mark.parametrize("leases", [None, {"mode": "strict", "per_lease": 2}],
+                         ids=["grants", "leases"])
+def test_lossy_wire_keeps_every_invariant(fault_cluster: Callable[..., FaultCluster],
+                                          leases: dict[str, object] | None) -> None:
+    cluster = fault_cluster(limits=LIMITS, group_limits=GROUP_LIMITS, leases=leases,
+                            grant_timeout=GRANT_TIMEOUT, env={"DC_FAULT_WIRE": WIRE},
+                            settings={"request_timeout": 1.0, "claim_margin": 0.5})
+    cluster.start(clients=2, pool="threads", concurrency=3)
+    began = time.monotonic()
+    ids: list[str] = []
+    for _ in range(10):
+        ids += cluster.publish(1, key="w1", group="g1", work=0.1)
+        ids += cluster.publish(1, key="w1", group="g2", work=0.1)
+        ids += cluster.publish(1, key="w2", work=0.1)
+    outcome = check_invariants(cluster, ids, limits=LIMITS, group_limits=GROUP_LIMITS,
+                               timeout=90, settle=GRANT_TIMEOUT + 10)
+    faults = cluster.ledger.hgetall("wire_faults")
+    for direction in ("request", "reply"):
+        for fault in ("drop", "dup", "delay"):
+            assert int(faults.get(f"{direction}:{fault}", 0)) > 0, faults
+    assert max(outcome.max_running.values()) >= 2, "the ledger can see concurrency"
+    report(f"wire-{'leases' if leases else 'grants'}", tasks=outcome.ran,
+           seconds=round(time.monotonic() - began, 1), max_running=outcome.max_running,
+           usage_zero_after=outcome.usage_zero_after, faults=faults)
