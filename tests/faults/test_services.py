@@ -1,0 +1,74 @@
+# Services restarted mid-run: the broker (a private Redis, SIGKILLed and started
+# again on the same port with its append-only file) and the database (a private
+# PostgreSQL cluster, stopped with `-m immediate`, i.e. every backend killed, and
+# started again). Never the machine's shared servers. Work published before the
+# fault must all run, limits must hold throughout, usage must return to zero.
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.faults.harness import FaultCluster, check_invariants, report
+from tests.faults.services import PrivatePostgres, PrivateRedis
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+LIMITS = {"svc": 3}
+DOWN = 3.0  # seconds the service stays down
+
+
+def ended(cluster: FaultCluster) -> int:
+    return len(cluster.ends())
+
+
+def test_broker_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
+                                private_redis: PrivateRedis) -> None:
+    cluster = fault_cluster(
+        limits=LIMITS, broker_url=private_redis.url,
+        settings={"hold_deadline": 4},
+        transport={"visibility_timeout": 8, "unacked_restore_interval": 1,
+                   "unacked_restore_throttle": 1})
+    cluster.start(clients=2, pool="threads", concurrency=2)
+    ids = cluster.publish(30, key="svc", work=0.3)
+    cluster.wait_for("some tasks to end", lambda: ended(cluster) >= 8, timeout=30)
+    private_redis.kill()
+    killed_at = time.monotonic()
+    time.sleep(DOWN)
+    private_redis.start()
+    restarted = time.monotonic()
+    before = ended(cluster)
+    cluster.wait_for("work to resume after the restart", lambda: ended(cluster) > before + 2,
+                     timeout=60, context=cluster.logs)
+    resumed = time.monotonic() - restarted
+    outcome = check_invariants(cluster, ids, limits=LIMITS, timeout=90, at_least_once=True)
+    assert all(p.popen.poll() is None for p in cluster.processes.procs), "every worker lives"
+    report("broker-restart", down_seconds=round(restarted - killed_at, 1),
+           resumed_after=round(resumed, 1), tasks=outcome.ran, repeated=outcome.repeated,
+           max_running=outcome.max_running, usage_zero_after=outcome.usage_zero_after)
+
+
+def test_database_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
+                                  private_postgres: PrivatePostgres) -> None:
+    cluster = fault_cluster(limits=LIMITS, database=private_postgres.url)
+    cluster.start(clients=2, pool="threads", concurrency=2)
+    ids = cluster.publish(30, key="svc", work=0.3)
+    cluster.wait_for("some tasks to end", lambda: ended(cluster) >= 8, timeout=30)
+    private_postgres.stop("immediate")
+    stopped_at = time.monotonic()
+    time.sleep(DOWN)
+    private_postgres.start()
+    restarted = time.monotonic()
+    before = ended(cluster)
+    cluster.wait_for("work to resume after the restart", lambda: ended(cluster) > before + 2,
+                     timeout=60, context=cluster.logs)
+    resumed = time.monotonic() - restarted
+    outcome = check_invariants(cluster, ids, limits=LIMITS, timeout=90)
+    holder = cluster.holders[0]
+    assert "database unavailable" in holder.log(), "the outage was seen by the holder"
+    assert all(p.popen.poll() is None for p in cluster.processes.procs), "every worker lives"
+    report("database-restart", init_seconds=round(private_postgres.init_seconds, 1),
+           down_seconds=round(restarted - stopped_at, 1), resumed_after=round(resumed, 1),
+           tasks=outcome.ran, max_running=outcome.max_running,
+           usage_zero_after=outcome.usage_zero_after)
