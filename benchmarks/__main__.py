@@ -1,0 +1,117 @@
+# One command for every benchmark: `python -m benchmarks [--quick]`. Starts real
+# holder and client workers on Redis (DBs 14, 15) and a PostgreSQL database of
+# its own, runs each comparison against plain Celery and the DIY Redis counter in
+# the same run, prints the figures and writes benchmarks/results/results.json,
+# results.txt and docs/*.png. Rule: every process and database it creates is
+# removed on the way out, also on failure or Ctrl-C.
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from benchmarks import measure
+from benchmarks.cluster import create_database, running, suite_config
+from benchmarks.plan import SEMAPHORES, Plan, make_plan
+from benchmarks.report import RESULTS, machine, render_plots, render_text
+from benchmarks.scale import bench_scale
+from durability_celery import DurabilitySemaphore
+
+LOG_DIR = RESULTS / "logs"
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
+    rows = []
+    for pool in plan.overhead_pools:
+        config = suite_config(database, SEMAPHORES, max_held=4 * plan.overhead_concurrency)
+        with running(config, clients=1, pool=pool, concurrency=plan.overhead_concurrency,
+                     log_dir=LOG_DIR, label=f"overhead-{pool}") as cluster:
+            for variant in ("plain", "diy", "leases", "grants", "leases_fast", "grants_fast"):
+                row = measure.throughput(cluster, variant, tasks=plan.overhead_tasks,
+                                         cap=plan.overhead_cap)
+                row["pool"] = pool
+                rows.append(row)
+                _say(f"  overhead {pool:<8} {variant:<12} {row['per_s']:8.1f} tasks/s"
+                     f"{'  (capped)' if row['capped'] else ''}")
+    return rows
+
+
+def run_contention(plan: Plan, database: str) -> tuple[list[dict[str, Any]],
+                                                        list[dict[str, Any]]]:
+    config = suite_config(database, SEMAPHORES)
+    busy, latency = [], []
+    with running(config, clients=plan.contention_clients, pool="threads",
+                 concurrency=plan.contention_concurrency, log_dir=LOG_DIR,
+                 label="contention") as cluster:
+        for variant in ("plain", "diy", *SEMAPHORES):
+            row = measure.latency(cluster, variant, samples=plan.latency_samples,
+                                  spacing=plan.latency_spacing)
+            latency.append(row)
+            _say(f"  latency  {variant:<12} p50 {row.get('p50_ms', float('nan')):8.1f} ms  "
+                 f"p99 {row.get('p99_ms', float('nan')):8.1f} ms")
+        for variant in plan.contention_variants:
+            for work in plan.works:
+                for limit in plan.limits:
+                    row = measure.utilization(
+                        cluster, variant, limit=limit, work=work,
+                        seconds=plan.busy_seconds[work], first_round=plan.first_round(variant))
+                    busy.append(row)
+                    _say(f"  busy     {variant:<12} {work:>5}s limit {limit:>2}: "
+                         f"{row['utilization']:.3f} of the limit, max running "
+                         f"{row['max_running']}, retries {row['retries']}")
+    return busy, latency
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: "
+                        "overhead,contention,scale")
+    options = parser.parse_args()
+    plan = make_plan(options.quick)
+    skip = set(filter(None, options.skip.split(",")))
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    results: dict[str, Any] = {"command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
+                               "quick": plan.quick, "machine_before": machine()}
+    database, drop = create_database()
+    try:
+        DurabilitySemaphore.migrate(database)
+        if "overhead" not in skip:
+            _say("overhead (no-op tasks, limit not binding)")
+            results["overhead"] = run_overhead(plan, database)
+        if "contention" not in skip:
+            _say("latency (permits free) and utilization under contention")
+            results["utilization"], results["latency"] = run_contention(plan, database)
+        if "scale" not in skip:
+            _say(f"holder scale ({plan.scale_keys} keys, 100 clients)")
+            results["scale"] = bench_scale(database, keys=plan.scale_keys,
+                                           seconds=plan.scale_seconds)
+            _say(f"  {results['scale']['rounds_per_s']:.0f} rounds/s, "
+                 f"{results['scale']['sql_ms_per_round']:.2f} SQL ms/round")
+    finally:
+        drop()
+    results["machine_after"] = machine()
+    results["seconds"] = time.time() - started
+    finish(results, plan)
+
+
+def finish(results: dict[str, Any], plan: Plan) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = render_text(results, plan)
+    (RESULTS / "results.txt").write_text(text)
+    print("\n" + text)
+    for path in render_plots(results):
+        print(f"plot: {os.path.relpath(path)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+# The Celery app every benchmark worker runs (holder and client workers), built
+# from one JSON environment variable so the driver and the workers agree. Rule:
+# every task, admitted or not, records the same ledger line in Redis when it
+# ends ("start end published_at", epoch seconds): the ledger, not the library,
+# is what the figures are computed from.
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from benchmarks.diy_redis import define_diy_task
+from durability_celery import (
+    AdmittedTask,
+    Durability,
+    DurabilitySemaphore,
+    DurabilitySettings,
+    Leases,
+)
+
+CONFIG_ENV = "BENCH_SUITE_CONFIG"
+
+
+def limit_of(key: str) -> int:
+    """Keys are `<limit>:<name>`, so one semaphore serves every limit a benchmark needs."""
+    return int(key.split(":", 1)[0])
+
+
+def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
+    app = Celery("bench_suite")
+    app.conf.update(broker_url=config["broker_url"], task_serializer="json",
+                    accept_content=["json"], task_ignore_result=True, result_backend=None,
+                    worker_prefetch_multiplier=1, worker_hijack_root_logger=True,
+                    broker_connection_retry_on_startup=True)
+    semaphores = [
+        DurabilitySemaphore(name, database=config["database"], limit=limit_of,
+                            round_wait=spec["round_wait"], round_period=spec["round_period"],
+                            leases=Leases() if spec["leases"] else None)
+        for name, spec in config["semaphores"].items()
+    ]
+    durability = Durability(app, semaphores, settings=DurabilitySettings(
+        queue_prefix=config["prefix"], max_held=config.get("max_held")))
+    _define_tasks(app, config)
+    return app, durability
+
+
+def _define_tasks(app: Celery, config: dict[str, Any]) -> None:
+    ledger = redis.Redis.from_url(config["ledger_url"])
+
+    def body(run: str, work: float, published_at: float) -> None:
+        started = time.time()
+        if work:
+            time.sleep(work)
+        ledger.rpush(f"iv:{run}", f"{started} {time.time()} {published_at}")
+
+    @app.task(name="bench.plain", shared=False)  # type: ignore[untyped-decorator]
+    def plain(run: str, account: str, limit: int, work: float, published_at: float) -> None:
+        body(run, work, published_at)
+
+    for name in config["semaphores"]:
+        _define_admitted(app, name, body)
+    define_diy_task(app, counter_url=config["ledger_url"], countdown=config["diy_countdown"],
+                    body=body, on_retry=lambda run: ledger.incr(f"retries:{run}"))
+
+
+def _define_admitted(app: Celery, semaphore: str, body: Any) -> None:
+    def admitted(run: str, account: str, limit: int, work: float, published_at: float) -> None:
+        body(run, work, published_at)
+
+    app.task(name=f"bench.{semaphore}", base=AdmittedTask, semaphore=semaphore,
+             key="account", shared=False)(admitted)
+
+
+if CONFIG_ENV in os.environ:
+    app, durability = make_app(json.loads(os.environ[CONFIG_ENV]))

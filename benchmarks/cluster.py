@@ -1,0 +1,125 @@
+# Real worker processes for the benchmarks: one holder and N client workers of
+# benchmarks/app.py on one JSON config, a PostgreSQL database of the run's own,
+# and the ledger the tasks write. Rule: every process started here runs in its
+# own session and is killed (whole group) on the way out, also on failure.
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from benchmarks.app import CONFIG_ENV, make_app
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER_URL = "redis://127.0.0.1:6379/14"
+LEDGER_URL = "redis://127.0.0.1:6379/15"
+PG_USER = os.environ.get("BENCH_PG_USER", "postgres")
+
+
+def create_database() -> tuple[str, Callable[[], None]]:
+    """A PostgreSQL database of this run's own (trust auth on 127.0.0.1), and how to drop it."""
+    import psycopg
+
+    admin = psycopg.connect(host="127.0.0.1", user=PG_USER, dbname="test", autocommit=True)
+    name = f"dc_bench_suite_{secrets.token_hex(4)}"
+    admin.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+
+    return f"postgresql+psycopg://{PG_USER}@127.0.0.1:5432/{name}", drop
+
+
+def suite_config(database: str, semaphores: dict[str, dict[str, Any]], *,
+                 max_held: int | None = None, diy_countdown: float = 1.0) -> dict[str, Any]:
+    return {"broker_url": BROKER_URL, "ledger_url": LEDGER_URL, "database": database,
+            "prefix": f"bench{secrets.token_hex(2)}", "semaphores": semaphores,
+            "max_held": max_held, "diy_countdown": diy_countdown}
+
+
+def _spawn(config: dict[str, Any], args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, **{CONFIG_ENV: json.dumps(config)},
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker",
+           "--loglevel=WARNING", "--without-mingle", "--without-gossip",
+           f"--hostname=bench-{secrets.token_hex(3)}@%h", *args]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
+        pass
+
+
+class Cluster:
+    """A running holder and client workers; the driver publishes through `app`."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.app, self.durability = make_app(config)
+        self.ledger = redis.Redis.from_url(config["ledger_url"], decode_responses=True)
+
+    def task(self, variant: str) -> Any:
+        return self.app.tasks[f"bench.{variant}"]
+
+    def intervals(self, run: str) -> list[tuple[float, float, float]]:
+        rows = self.ledger.lrange(f"iv:{run}", 0, -1)
+        return [(float(a), float(b), float(c)) for a, b, c in (r.split() for r in rows)]
+
+    def done(self, run: str) -> int:
+        return int(self.ledger.llen(f"iv:{run}"))
+
+    def retries(self, run: str) -> int:
+        return int(self.ledger.get(f"retries:{run}") or 0)
+
+    def purge(self) -> None:
+        with self.app.connection_for_write() as conn:
+            conn.default_channel.queue_purge("celery")
+
+
+@contextmanager
+def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int,
+            log_dir: Path, label: str) -> Iterator[Cluster]:
+    for url in (config["broker_url"], config["ledger_url"]):
+        redis.Redis.from_url(url).flushdb()
+    cluster = Cluster(config)
+    procs = [_spawn(config, ["--durability-holder", "-Q", "bench.idle", "--pool=threads",
+                             "--concurrency=1"], log_dir / f"{label}-holder.log")]
+    try:
+        for n in range(clients):
+            procs.append(_spawn(config, [f"--pool={pool}", f"--concurrency={concurrency}"],
+                                log_dir / f"{label}-client{n}.log"))
+        deadline = time.monotonic() + 90
+        while len(cluster.app.control.ping(timeout=0.5) or []) < len(procs):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"{label}: workers did not start (logs in {log_dir})")
+        yield cluster
+    finally:
+        for proc in procs[1:]:  # clients first, so their final reports reach the holder
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs[1:] + procs[:1]:
+            _stop(proc)
+        for semaphore in cluster.durability.semaphores.values():
+            semaphore.close()

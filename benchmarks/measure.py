@@ -1,0 +1,127 @@
+# The three Celery measurements, each against plain Celery and the DIY Redis
+# counter in the same run on the same workers: throughput of no-op tasks when
+# the limit does not bind, utilization of the limit under contention, and
+# publish-to-start latency when permits are free. Rule: every measurement is
+# bounded in count and in time; a bound that cuts a run short is reported.
+from __future__ import annotations
+
+import secrets
+import statistics
+import time
+from typing import Any
+
+from benchmarks.cluster import Cluster
+
+FREE_LIMIT = 50  # per key, over 16 keys: the pool, not the budget, is the bottleneck
+FREE_KEYS = 16
+
+
+def _publish(cluster: Cluster, variant: str, run: str, account: str, limit: int,
+             work: float, count: int, producer: Any) -> None:
+    task = cluster.task(variant)
+    for _ in range(count):
+        task.apply_async(kwargs={"run": run, "account": account, "limit": limit, "work": work,
+                                 "published_at": time.time()}, producer=producer)
+
+
+def _settle(cluster: Cluster, run: str, expected: int, cap: float) -> int:
+    """Wait until `expected` are done, or purge and wait until the count stops moving."""
+    deadline = time.monotonic() + cap
+    while cluster.done(run) < expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    done = cluster.done(run)
+    if done < expected:
+        cluster.purge()
+        quiet_since, last = time.monotonic(), done
+        while time.monotonic() - quiet_since < 3.0 and time.monotonic() < deadline + 20:
+            time.sleep(0.1)
+            if cluster.done(run) != last:
+                quiet_since, last = time.monotonic(), cluster.done(run)
+    return done
+
+
+def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float) -> dict[str, Any]:
+    """No-op tasks over 16 keys whose limit never binds: tasks per second."""
+    run = f"tp-{variant}-{secrets.token_hex(3)}"
+    accounts = [f"{FREE_LIMIT}:{run}:{k}" for k in range(FREE_KEYS)]
+    with cluster.app.producer_or_acquire() as producer:
+        for account in accounts:  # warm-up: connections, first grants or leases per key
+            _publish(cluster, variant, run + "-warm", account, FREE_LIMIT, 0.0, 2, producer)
+        _settle(cluster, run + "-warm", 2 * FREE_KEYS, cap)
+        started = time.perf_counter()
+        for i in range(tasks):
+            _publish(cluster, variant, run, accounts[i % FREE_KEYS], FREE_LIMIT, 0.0, 1,
+                     producer)
+    deadline = time.monotonic() + cap
+    while cluster.done(run) < tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    elapsed = time.perf_counter() - started
+    done = _settle(cluster, run, tasks, 0.0)
+    return {"variant": variant, "tasks": tasks, "done": done, "seconds": elapsed,
+            "per_s": done / elapsed, "capped": done < tasks}
+
+
+def utilization(cluster: Cluster, variant: str, *, limit: int, work: float, seconds: float,
+                first_round: float) -> dict[str, Any]:
+    """Keep demand at 1.5 x limit + 4 for `seconds` after the first round; fraction used.
+
+    The window runs from the first start to the end of feeding: demand is above
+    the limit all through it. Tasks are recorded when they end, so the driver
+    waits for the drain before computing.
+    """
+    run = f"ut-{variant}-{secrets.token_hex(3)}"
+    account = f"{limit}:{run}"
+    target = limit + limit // 2 + 4
+    published = 0
+    feed_until = time.time() + seconds + first_round
+    with cluster.app.producer_or_acquire() as producer:
+        while time.time() < feed_until:
+            missing = target - (published - cluster.done(run))
+            if missing > 0:
+                _publish(cluster, variant, run, account, limit, work, missing, producer)
+                published += missing
+            time.sleep(0.01)
+    stop = time.time()
+    done = _settle(cluster, run, published, 30.0 + 2 * work)
+    rows = cluster.intervals(run)
+    result = {"variant": variant, "limit": limit, "work": work, "published": published,
+              "done": done, "retries": cluster.retries(run), "drained": done >= published}
+    result.update(_busy(rows, limit, stop))
+    return result
+
+
+def _busy(rows: list[tuple[float, float, float]], limit: int, stop: float) -> dict[str, Any]:
+    if not rows:
+        return {"utilization": 0.0, "max_running": 0, "window": 0.0, "first_start_s": None}
+    first = min(start for start, _, _ in rows)
+    window = max(stop - first, 1e-9)
+    used = sum(max(0.0, min(end, stop) - max(start, first)) for start, end, _ in rows)
+    events = sorted([(s, 1) for s, _, _ in rows] + [(e, -1) for _, e, _ in rows],
+                    key=lambda ev: (ev[0], ev[1]))
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return {"utilization": used / (limit * window), "max_running": peak, "window": window,
+            "first_start_s": first - min(p for _, _, p in rows)}
+
+
+def latency(cluster: Cluster, variant: str, *, samples: int, spacing: float) -> dict[str, Any]:
+    """Publish one task every `spacing` seconds on a free key; publish-to-start times."""
+    run = f"lat-{variant}-{secrets.token_hex(3)}"
+    account = f"1000:{run}"
+    with cluster.app.producer_or_acquire() as producer:
+        # first task on a fresh key: its first round (and lease) is the cold latency
+        _publish(cluster, variant, run + "-cold", account, 1000, 0.0, 1, producer)
+        _settle(cluster, run + "-cold", 1, 30.0)
+        cold = [(s - p) * 1000 for s, _, p in cluster.intervals(run + "-cold")]
+        for _ in range(samples):
+            _publish(cluster, variant, run, account, 1000, 0.0, 1, producer)
+            time.sleep(spacing)
+    _settle(cluster, run, samples, 30.0)
+    delays = sorted((start - published) * 1000 for start, _, published in cluster.intervals(run))
+    if not delays:
+        return {"variant": variant, "samples": 0}
+    return {"variant": variant, "samples": len(delays), "p50_ms": statistics.median(delays),
+            "p99_ms": delays[min(len(delays) - 1, int(len(delays) * 0.99))],
+            "max_ms": delays[-1], "cold_ms": cold[0] if cold else None}

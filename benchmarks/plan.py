@@ -1,0 +1,61 @@
+# What one `python -m benchmarks` run measures, full or --quick: the variants,
+# sizes and time bounds in one place, so the report can print them verbatim.
+# Rule: every count and every wait here is bounded; --quick keeps the whole run
+# under about two minutes, the full run under about ten on 2 cores.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT = {"round_wait": 1.0, "round_period": 2.0}  # the semaphore's defaults
+FAST = {"round_wait": 0.01, "round_period": 0.05}
+SEMAPHORES: dict[str, dict[str, Any]] = {
+    "grants": {**DEFAULT, "leases": False},
+    "leases": {**DEFAULT, "leases": True},
+    "grants_fast": {**FAST, "leases": False},
+    "leases_fast": {**FAST, "leases": True},
+}
+LABELS = {
+    "plain": "plain Celery (no admission)",
+    "diy": "DIY Redis INCR/DECR + retry(countdown=1)",
+    "grants": "admitted, grants only, default rounds (1/2 s)",
+    "leases": "admitted, leases, default rounds (1/2 s)",
+    "grants_fast": "admitted, grants only, fast rounds (0.01/0.05 s)",
+    "leases_fast": "admitted, leases, fast rounds (0.01/0.05 s)",
+}
+VARIANTS = ("plain", "diy", "grants", "leases", "grants_fast", "leases_fast")
+
+
+@dataclass(frozen=True)
+class Plan:
+    quick: bool
+    overhead_tasks: int
+    overhead_cap: float
+    overhead_pools: tuple[str, ...] = ("threads", "prefork")
+    overhead_concurrency: int = 4
+    works: tuple[float, ...] = (1.0, 0.1, 0.01)
+    limits: tuple[int, ...] = (4, 20)
+    busy_seconds: dict[float, float] = field(default_factory=dict)
+    contention_clients: int = 2
+    contention_concurrency: int = 16  # 2 x 16 = 32 slots >= limit 20 + 12
+    contention_variants: tuple[str, ...] = VARIANTS
+    latency_samples: int = 40
+    latency_spacing: float = 0.05
+    scale_keys: int = 10_000
+    scale_seconds: float = 8.0
+
+    def first_round(self, variant: str) -> float:
+        """Feeding time added before the measured window, for the first grant to arrive."""
+        spec = SEMAPHORES.get(variant)
+        return 0.5 if spec is None else spec["round_wait"] + 1.0
+
+
+def make_plan(quick: bool) -> Plan:
+    if quick:
+        return Plan(quick=True, overhead_tasks=300, overhead_cap=6.0,
+                    overhead_pools=("threads",), works=(1.0, 0.01),
+                    busy_seconds={1.0: 3.0, 0.1: 1.5, 0.01: 1.5},
+                    contention_variants=("plain", "diy", "leases", "leases_fast"),
+                    latency_samples=15, scale_keys=1000, scale_seconds=2.0)
+    return Plan(quick=False, overhead_tasks=1000, overhead_cap=15.0,
+                busy_seconds={1.0: 6.0, 0.1: 3.0, 0.01: 3.0})

@@ -1,0 +1,183 @@
+# Turns one run's results into the readable results.txt and the PNG plots
+# (docs/benchmarks-*.png). Rule: a target is reported as met only when the
+# measured figure reaches it; every table says which variant ran on what.
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.plan import LABELS, SEMAPHORES, Plan
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs"
+TARGETS = {"leases": 0.95, "leases_fast": 0.95, "grants": 0.8, "grants_fast": 0.8}
+
+
+def _version(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    import celery
+    import kombu
+
+    with open("/proc/meminfo") as meminfo:
+        total_kb = int(meminfo.readline().split()[1])
+    return {"utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "nproc": os.cpu_count(), "ram_gb": round(total_kb / 1024 / 1024, 1),
+            "loadavg": os.getloadavg(), "python": platform.python_version(),
+            "platform": platform.platform(), "celery": celery.__version__,
+            "kombu": kombu.__version__,
+            "redis": _version(["redis-server", "--version"]).split(" ")[2:3],
+            "postgresql": _version(["psql", "--version"])}
+
+
+def _overhead(results: dict[str, Any]) -> list[str]:
+    rows = results.get("overhead", [])
+    plain = {r["pool"]: r["per_s"] for r in rows if r["variant"] == "plain"}
+    lines = ["1. Overhead: no-op tasks, limit never binds (16 keys x limit 50), one client",
+             "   worker (concurrency 4, prefetch 1), one holder. ratio = tasks/s / plain tasks/s",
+             "", f"   {'pool':<8} {'variant':<50} {'tasks/s':>8} {'ratio':>6}  target"]
+    for r in rows:
+        ratio = r["per_s"] / plain[r["pool"]]
+        target = TARGETS.get(r["variant"])
+        met = "met" if target is not None and ratio >= target else "NOT met"
+        verdict = "" if target is None else f">= {target}: {met}"
+        capped = "  (cut at the time bound)" if r["capped"] else ""
+        lines.append(f"   {r['pool']:<8} {LABELS[r['variant']]:<50} {r['per_s']:>8.1f} "
+                     f"{ratio:>6.2f}  {verdict}{capped}")
+    return lines
+
+
+def _utilization(results: dict[str, Any]) -> list[str]:
+    lines = ["2. Utilization under contention: 2 client workers x 16 threads, demand kept at",
+             "   1.5 x limit + 4; utilization = integral of running / limit over [first start,",
+             "   end of feeding]; max running from the task ledger (start/end times).",
+             "", f"   {'variant':<50} {'task s':>6} {'limit':>5} {'util':>6} {'max run':>7} "
+             f"{'tasks':>6} {'retries':>7}"]
+    for r in results.get("utilization", []):
+        lines.append(f"   {LABELS[r['variant']]:<50} {r['work']:>6} {r['limit']:>5} "
+                     f"{r['utilization']:>6.3f} {r['max_running']:>7} {r['done']:>6} "
+                     f"{r['retries']:>7}{'' if r['drained'] else '  (not drained)'}")
+    reached: dict[tuple[float, int], list[str]] = {}
+    for r in results.get("utilization", []):
+        if r["variant"] in SEMAPHORES and r["utilization"] >= 0.95:
+            reached.setdefault((r["work"], r["limit"]), []).append(r["variant"])
+    lines.append("")
+    lines.append("   settings reaching >= 0.95: " + ("; ".join(
+        f"{w}s/limit {lim}: {', '.join(v)}" for (w, lim), v in sorted(reached.items()))
+        or "none"))
+    return lines
+
+
+def _latency(results: dict[str, Any]) -> list[str]:
+    lines = ["3. Admission latency, publish to start, permits free (one task every 50 ms on a",
+             "   key whose limit never binds, after one cold task on that key)", "",
+             f"   {'variant':<50} {'n':>4} {'p50 ms':>8} {'p99 ms':>8} {'cold ms':>8}"]
+    for r in results.get("latency", []):
+        lines.append(f"   {LABELS[r['variant']]:<50} {r['samples']:>4} {r['p50_ms']:>8.1f} "
+                     f"{r['p99_ms']:>8.1f} {r['cold_ms'] or float('nan'):>8.1f}")
+    return lines
+
+
+def _scale(results: dict[str, Any]) -> list[str]:
+    s = results.get("scale")
+    if not s:
+        return []
+    return [f"4. Holder scale: {s['keys']} keys, {s['clients']} simulated clients "
+            f"({s['clients_per_key']} per key), PostgreSQL, DurabilitySemaphore.run_round",
+            f"   populate (one round per key, {s['threads']} threads): "
+            f"{s['populated_keys']} keys in {s['populate_s']:.1f} s",
+            f"   one thread: {s['single_rounds']} rounds, {s['ms_per_round']:.2f} ms/round, "
+            f"of which SQL {s['sql_ms_per_round']:.2f} ms",
+            f"   {s['threads']} threads (the holder's round_threads): "
+            f"{s['rounds_per_s']:.0f} rounds/s",
+            f"   memory: RSS {s['rss_start_mb']:.0f} MB -> {s['rss_end_mb']:.0f} MB "
+            f"(peak {s['max_rss_mb']:.0f} MB); rows: {s['table_rows']}"]
+
+
+def render_text(results: dict[str, Any], plan: Plan) -> str:
+    before, after = results["machine_before"], results["machine_after"]
+    head = [f"durability-celery benchmarks, {before['utc']} ({results['command']}, "
+            f"{results['seconds']:.0f} s)",
+            f"{before['nproc']} CPUs, {before['ram_gb']} GB RAM, Python {before['python']}, "
+            f"Celery {before['celery']}, kombu {before['kombu']}, Redis {before['redis']}, "
+            f"{before['postgresql']}",
+            f"load average before {tuple(round(x, 2) for x in before['loadavg'])}, after "
+            f"{tuple(round(x, 2) for x in after['loadavg'])} (shared machine: ratios matter)",
+            ""]
+    body = [*_overhead(results), "", *_utilization(results), "", *_latency(results), "",
+            *_scale(results)]
+    return "\n".join(head + body) + "\n"
+
+
+def render_plots(results: dict[str, Any]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    if results.get("overhead"):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        rows = results["overhead"]
+        plain = {r["pool"]: r["per_s"] for r in rows if r["variant"] == "plain"}
+        labels = [f"{r['pool']}\n{r['variant']}" for r in rows]
+        ax.bar(labels, [r["per_s"] / plain[r["pool"]] for r in rows], color="tab:blue")
+        ax.axhline(0.95, color="green", linestyle="--", label="leases target 0.95")
+        ax.axhline(0.8, color="orange", linestyle="--", label="grants target 0.8")
+        ax.set_ylabel("throughput / plain Celery")
+        ax.set_title("No-op throughput when the limit does not bind")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, "benchmarks-overhead.png"))
+    if results.get("utilization"):
+        paths.append(_utilization_plot(plt, results["utilization"]))
+    if results.get("latency"):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        rows = results["latency"]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["p50_ms"] for r in rows], 0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in rows], 0.4, label="p99")
+        ax.set_xticks(list(xs), [r["variant"] for r in rows], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("publish to start, ms (log)")
+        ax.set_title("Admission latency with free permits")
+        ax.legend()
+        paths.append(_save(fig, "benchmarks-latency.png"))
+    return paths
+
+
+def _utilization_plot(plt: Any, rows: list[dict[str, Any]]) -> Path:
+    limits = sorted({r["limit"] for r in rows})
+    fig, axes = plt.subplots(1, len(limits), figsize=(10, 4), sharey=True)
+    for ax, limit in zip(axes if len(limits) > 1 else [axes], limits, strict=True):
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            if variant == "plain":
+                continue  # no limit enforced: its "utilization" only exceeds 1
+            pts = sorted((r["work"], r["utilization"]) for r in rows
+                         if r["variant"] == variant and r["limit"] == limit)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+        ax.axhline(0.95, color="gray", linestyle="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("task duration, s (log)")
+        ax.set_title(f"limit {limit}")
+    axes[0].set_ylabel("fraction of the limit in use") if len(limits) > 1 else None
+    axes[-1].legend(fontsize=7) if len(limits) > 1 else None
+    fig.suptitle("Utilization while demand exceeds the limit")
+    return _save(fig, "benchmarks-utilization.png")
+
+
+def _save(fig: Any, name: str) -> Path:
+    path = DOCS / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
