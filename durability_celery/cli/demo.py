@@ -163,17 +163,21 @@ def _prepare(run: DemoRun) -> tuple[Any, Any]:
 
 
 def _start_children(children: Children, run: DemoRun) -> None:
-    # One after the other: kombu's filesystem transport races when two processes
-    # create the same exchange file at once (one of them dies reading it empty).
+    # Started together: worker_config's atomic filesystem transport makes the
+    # simultaneous first start safe (kombu's own races on exchange files).
     common = ["--loglevel=INFO", "--without-mingle", "--without-gossip"]
-    children.start("holder", [
+    started = [children.start("holder", [
         "worker", "--durability-holder", "-Q", f"{run.prefix}.holder.control",
         "-n", f"holder-{run.run_id}@%h", "--pool=threads", "--concurrency=1", *common],
-        stage=1).wait_ready(r"\bready\.", timeout=60)
-    for i in (1, 2):
+        stage=1)]
+    started += [
         children.start(f"client-{i}", [
             "worker", "-Q", run.task_queue, "-n", f"client{i}-{run.run_id}@%h",
-            "--pool=threads", "--concurrency=6", *common]).wait_ready(r"\bready\.", timeout=60)
+            "--pool=threads", "--concurrency=6", *common])
+        for i in (1, 2)
+    ]
+    for child in started:
+        child.wait_ready(r"\bready\.", timeout=60)
     children.start("beat", ["beat", "--loglevel=INFO"], stage=1).wait_ready(
         r"beat: Starting", timeout=60)
 
