@@ -24,8 +24,10 @@ class DurabilitySettings:
     shards: int = 16
     """Holder queues; keys map onto them by a stable hash. Changing it moves keys."""
     queue_prefix: str = "durability"
-    request_timeout: float = 10.0
-    """A request unanswered this long counts as lost; the client asks again."""
+    request_timeout: float = 5.0
+    """A request unanswered this long counts as lost; the client asks again. Keep it well
+    under a semaphore's grant_timeout: a claim counts only once a report of it reaches the
+    holder before the claim deadline, and one lost message costs this long."""
     claim_margin: float = 1.0
     """Never claim a grant permit this close to its claim deadline."""
     max_held: int | None = None

@@ -53,7 +53,7 @@ class SemaphoreClient:
     """One client (one worker incarnation) of one semaphore, across all its keys."""
 
     def __init__(self, semaphore: str, *, client_id: str, supports_leases: bool = True,
-                 claim_margin: float = 1.0, request_timeout: float = 10.0,
+                 claim_margin: float = 1.0, request_timeout: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
         if not isinstance(semaphore, str) or not semaphore:
             raise CallerError("semaphore must be a non-empty string")

@@ -68,7 +68,7 @@ def test_first_message_is_a_valid_request_with_demand_and_then_in_flight() -> No
     assert demand(message) == {"wf": (2, 4.0), None: (1, 6.0)}
     # One message in flight per key: nothing more is due until it is answered.
     assert client.due() == []
-    assert client.next_due_at() == clock.now + 10.0  # its request_timeout
+    assert client.next_due_at() == clock.now + client.request_timeout == clock.now + 5.0
 
 
 def test_admit_claims_grant_permits_oldest_first_and_deducts_demand() -> None:
