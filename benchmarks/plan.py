@@ -52,10 +52,10 @@ class Plan:
 
 def make_plan(quick: bool) -> Plan:
     if quick:
-        return Plan(quick=True, overhead_tasks=300, overhead_cap=6.0,
-                    overhead_pools=("threads",), works=(1.0, 0.01),
+        return Plan(quick=True, overhead_tasks=300, overhead_cap=4.0,
+                    overhead_pools=("threads",), works=(1.0, 0.01), limits=(20,),
                     busy_seconds={1.0: 3.0, 0.1: 1.5, 0.01: 1.5},
                     contention_variants=("plain", "diy", "leases", "leases_fast"),
-                    latency_samples=15, scale_keys=1000, scale_seconds=2.0)
-    return Plan(quick=False, overhead_tasks=1000, overhead_cap=15.0,
-                busy_seconds={1.0: 6.0, 0.1: 3.0, 0.01: 3.0})
+                    latency_samples=15, scale_keys=500, scale_seconds=2.0)
+    return Plan(quick=False, overhead_tasks=1000, overhead_cap=12.0,
+                busy_seconds={1.0: 5.0, 0.1: 2.5, 0.01: 2.5})

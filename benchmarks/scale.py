@@ -87,7 +87,7 @@ def bench_scale(database: str, *, keys: int, seconds: float) -> dict[str, Any]:
     rss_start = _rss_mb()
     workloads = Keys(keys)
     now = 1_764_450_000.0
-    populated, populate_s = _threaded(sem, workloads, now, 120.0)
+    populated, populate_s = _threaded(sem, workloads, now, 150.0)
     timer = CoreTimer()
     setattr(semaphore_module, "run_round", timer)  # noqa: B010 (patched to time the core)
     try:
