@@ -70,6 +70,19 @@ class Cluster:
                f"--hostname={name}-{secrets.token_hex(3)}@%h", *args]
         return self.processes.spawn(cmd, name=name, env=self.env, pythonpath=[HERE.parent.parent])
 
+    def delete_queues(self) -> None:
+        """Best effort: the task and holder queues this test declared (RabbitMQ keeps them)."""
+        if not self.config["broker_url"].startswith("amqp"):
+            return
+        names = [self.config["task_queue"], *self.durability.holder_queues()]
+        with self.app.connection_for_write() as connection:
+            channel = connection.default_channel
+            for name in names:
+                try:
+                    channel.queue_delete(name)
+                except Exception:
+                    channel = connection.channel()
+
     # -- ledger -----------------------------------------------------------------
 
     def starts(self) -> dict[str, int]:
@@ -118,9 +131,12 @@ def cluster_factory(processes: Processes, gate_database: str
 
     def make(*, limits: dict[str, int], group_limits: dict[str, int] | None = None,
              leases: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
-             transport: dict[str, Any] | None = None, **semaphore: Any) -> Cluster:
+             transport: dict[str, Any] | None = None, broker_url: str = broker,
+             **semaphore: Any) -> Cluster:
         config = {
-            "broker_url": broker, "ledger_url": ledger, "database": gate_database,
+            "broker_url": broker_url, "ledger_url": ledger, "database": gate_database,
+            # A queue of its own: RabbitMQ is shared with every other test run.
+            "task_queue": f"dct.tasks.{secrets.token_hex(3)}",
             "broker_transport_options": transport or {},
             "limits": limits, "group_limits": group_limits or {},
             "semaphore": {"name": f"sem-{secrets.token_hex(4)}", "leases": leases, **semaphore},
@@ -144,3 +160,4 @@ def cluster_factory(processes: Processes, gate_database: str
         processes.stop_all()
         for cluster in made:
             cluster.semaphore.close()
+            cluster.delete_queues()

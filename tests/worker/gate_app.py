@@ -60,6 +60,7 @@ def _leases(spec: dict[str, Any] | None) -> Leases | None:
 def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
     app = Celery("gate_test")
     app.conf.update(
+        task_default_queue=config.get("task_queue", "celery"),
         broker_url=config["broker_url"],
         broker_transport_options=config.get("broker_transport_options", {}),
         broker_connection_retry_on_startup=True,
@@ -119,7 +120,9 @@ def define_tasks(app: Celery, config: dict[str, Any]) -> tuple[Any, Any]:
     @app.task(bind=True, name="gate.plain", shared=False)
     def plain(self: Any, published_at: float) -> None:
         """Not admitted: records how long it waited from publish to start."""
-        ledger.hset("plain_delay", self.request.id, time.time() - published_at)
+        now = time.time()
+        ledger.hset("plain_delay", self.request.id, now - published_at)
+        ledger.hset("plain_started_at", self.request.id, now)
 
     return admitted, plain
 

@@ -72,7 +72,12 @@ def test_limits_hold_across_workers(cluster_factory: Callable[..., Cluster], cas
         assert cluster.max_running("k1") >= 2
     delays = {k: float(v) for k, v in cluster.ledger.hgetall("plain_delay").items()}
     assert set(delays) == set(plain)
-    assert max(delays.values()) < 1.5, f"plain tasks waited behind held ones: {delays}"
+    # Without QoS raised per held message they would start only after the admitted
+    # tasks queued before them had all started; they start long before the last.
+    plain_started = max(float(v) for v in cluster.ledger.hgetall("plain_started_at").values())
+    last_admitted = max(float(v) for v in cluster.ledger.hgetall("started_at").values())
+    assert plain_started < last_admitted - 0.3, f"plain tasks waited behind held ones: {delays}"
+    assert max(delays.values()) < 5, delays
     for key in limits:
         cluster.wait_for(f"holder usage of {key} back to zero",
                          lambda key=key: cluster.usage_zero(key), timeout=15)
