@@ -180,8 +180,11 @@ class Gate:
     def _refuse(self, request: Any, exc: Exception) -> None:
         """A request that can never be admitted: fail it loudly instead of running it ungated."""
         logger.error("durability: refusing task %s[%s]: %s", request.name, request.id, exc)
-        request.task.backend.mark_as_failure(request.id, exc, request=request._context,
-                                             store_result=request.store_errors)
+        try:
+            request.task.backend.mark_as_failure(request.id, exc, request=request._context,
+                                                 store_result=request.store_errors)
+        except Exception:  # the result backend is optional; the refusal is not
+            logger.exception("durability: could not record the refusal of %s", request.id)
         request.reject(requeue=False)
         worker_state.task_ready(request)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from tests.worker.conftest import Cluster
 
@@ -83,6 +84,7 @@ def test_limits_hold_across_workers(cluster_factory: Callable[..., Cluster], cas
                          lambda key=key: cluster.usage_zero(key), timeout=15)
     if case == "threads-grants":
         held_tasks_say_why_they_wait(cluster)
+        messages_without_headers(cluster)
 
 
 def held_tasks_say_why_they_wait(cluster: Cluster) -> None:
@@ -103,3 +105,18 @@ def held_tasks_say_why_they_wait(cluster: Cluster) -> None:
                      context=lambda: f"durability_held rows: {seen}")
     assert sum(row["running"] for row in seen if row["key"] == "k2") <= 2
     assert all(row["oldest_wait"] is None or row["oldest_wait"] >= 0 for row in seen)
+
+
+def messages_without_headers(cluster: Cluster) -> None:
+    """Published by name from a producer that lacks the task: no durability headers.
+    The worker computes the key from the arguments, or refuses a task with no key
+    instead of running it ungated."""
+    bare = Celery("bare", broker=cluster.config["broker_url"], set_as_current=False)
+    queue = cluster.config["task_queue"]
+    good = bare.send_task("gate.admitted", kwargs={"account": "k2", "work": 0.0}, queue=queue)
+    bad = bare.send_task("gate.admitted", kwargs={"work": 0.0}, queue=queue)
+    cluster.wait_for("the headerless task to run", lambda: good.id in cluster.ends(), timeout=10)
+    cluster.wait_for("the keyless task to be refused",
+                     lambda: any(f"refusing task gate.admitted[{bad.id}]" in p.log()
+                                 for p in cluster.workers), timeout=10)
+    assert bad.id not in cluster.starts()
