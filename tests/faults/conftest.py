@@ -1,9 +1,10 @@
 # Fixtures of the fault-injection suite. Its harness (harness.py) reuses the gate tests' `Cluster`
 # (one holder + client workers as real subprocesses from one JSON config, an
 # independent Redis ledger) with its own app module (tests/faults/fault_app.py:
-# live limits, slow rounds, wire faults). Redis DBs 11 (broker) and 12 (ledger)
-# of the shared server; scenarios that restart a service start a PRIVATE Redis
-# or PostgreSQL of their own (tests/faults/services.py), never the shared ones.
+# live limits, slow rounds, wire faults). Every test has a PRIVATE Redis server
+# (tests/faults/services.py; DB 0 broker, DB 1 ledger), so runs of this folder
+# never collide, even two at once; scenarios that restart a service restart a
+# private Redis or PostgreSQL of their own, never the machine's shared ones.
 from __future__ import annotations
 
 import secrets
@@ -21,9 +22,6 @@ from support import Processes, create_postgres_database
 from tests.faults.harness import FaultCluster
 from tests.faults.services import PrivatePostgres, PrivateRedis
 
-BROKER_DB = 11
-LEDGER_DB = 12
-SHARED_REDIS = "redis://127.0.0.1:6379"
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -42,10 +40,12 @@ def fault_database() -> Iterator[str]:
 
 
 @pytest.fixture
-def fault_cluster(processes: Processes, fault_database: str
+def fault_cluster(processes: Processes, fault_database: str, tmp_path: Path
                   ) -> Iterator[Callable[..., FaultCluster]]:
     """`fault_cluster(limits=..., broker_url=..., database=..., env=...)` -> FaultCluster."""
-    ledger_url = f"{SHARED_REDIS}/{LEDGER_DB}"
+    services = PrivateRedis(tmp_path)
+    services.start()
+    ledger_url = services.url(1)
     made: list[FaultCluster] = []
 
     def make(*, limits: dict[str, int], group_limits: dict[str, int] | None = None,
@@ -53,7 +53,7 @@ def fault_cluster(processes: Processes, fault_database: str
              transport: dict[str, Any] | None = None, broker_url: str | None = None,
              database: str | None = None, env: dict[str, str] | None = None,
              **semaphore: Any) -> FaultCluster:
-        broker = broker_url or f"{SHARED_REDIS}/{BROKER_DB}"
+        broker = broker_url or services.url(0)
         for url in {broker, ledger_url}:
             client = redis.Redis.from_url(url)
             client.flushdb()
@@ -83,12 +83,13 @@ def fault_cluster(processes: Processes, fault_database: str
         processes.stop_all()
         for cluster in made:
             cluster.semaphore.close()
+        services.kill()
 
 
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    """A Redis server of this test only (it may be killed and restarted)."""
-    server = PrivateRedis(tmp_path)
+    """A durable Redis server of this test only (it may be killed and restarted)."""
+    server = PrivateRedis(tmp_path, durable=True)
     server.start()
     try:
         yield server

@@ -34,26 +34,28 @@ def _wait_port(port: int, *, timeout: float) -> None:
 
 
 class PrivateRedis:
-    """A redis-server of our own. Its data is kept in an fsync-always append-only
-    file, so a SIGKILL + restart is a broker crash that loses connections but not
-    acknowledged writes (as a production broker with persistence would)."""
+    """A redis-server of our own. `durable`: its data is kept in an fsync-always
+    append-only file, so a SIGKILL + restart is a broker crash that loses
+    connections but not acknowledged writes (as a production broker with
+    persistence would); otherwise nothing is written to disk."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, durable: bool = False) -> None:
         self.folder = folder
+        self.durable = durable
         self.port = free_port()
         self.popen: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self) -> float:
         """Start (or restart on the same port); returns the seconds it took."""
         began = time.monotonic()
-        log = open(self.folder / "redis.log", "ab")  # noqa: SIM115 - owned by the child
+        log = open(self.folder / f"redis-{self.port}.log", "ab")  # noqa: SIM115 - owned by the child
         self.popen = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.folder), "--save", "", "--appendonly", "yes",
+             "--dir", str(self.folder), "--save", "",
+             "--appendonly", "yes" if self.durable else "no",
              "--appendfsync", "always", "--daemonize", "no"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

@@ -26,7 +26,7 @@ def ended(cluster: FaultCluster) -> int:
 def test_broker_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
                                 private_redis: PrivateRedis) -> None:
     cluster = fault_cluster(
-        limits=LIMITS, broker_url=private_redis.url,
+        limits=LIMITS, broker_url=private_redis.url(),
         settings={"hold_deadline": 4},
         transport={"visibility_timeout": 8, "unacked_restore_interval": 1,
                    "unacked_restore_throttle": 1})
