@@ -107,12 +107,14 @@ def main() -> None:
 
 
 def finish(results: dict[str, Any], plan: Plan) -> None:
+    # a --quick run never overwrites the full run's files that docs/benchmarks.md shows
+    suffix = "-quick" if plan.quick else ""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (RESULTS / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
     text = render_text(results, plan)
-    (RESULTS / "results.txt").write_text(text)
+    (RESULTS / f"results{suffix}.txt").write_text(text)
     print("\n" + text)
-    for path in render_plots(results):
+    for path in render_plots(results, suffix=suffix):
         print(f"plot: {os.path.relpath(path)}")
 
 

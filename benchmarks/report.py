@@ -129,7 +129,7 @@ def render_text(results: dict[str, Any], plan: Plan) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def render_plots(results: dict[str, Any]) -> list[Path]:
+def render_plots(results: dict[str, Any], *, suffix: str = "") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,9 +148,9 @@ def render_plots(results: dict[str, Any]) -> list[Path]:
         ax.set_title("No-op throughput when the limit does not bind")
         ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=7)
-        paths.append(_save(fig, "benchmarks-overhead.png"))
+        paths.append(_save(fig, f"benchmarks-overhead{suffix}.png"))
     if results.get("utilization"):
-        paths.append(_utilization_plot(plt, results["utilization"]))
+        paths.append(_utilization_plot(plt, results["utilization"], suffix))
     if results.get("latency"):
         fig, ax = plt.subplots(figsize=(8, 4))
         rows = results["latency"]
@@ -162,11 +162,11 @@ def render_plots(results: dict[str, Any]) -> list[Path]:
         ax.set_ylabel("publish to start, ms (log)")
         ax.set_title("Admission latency with free permits")
         ax.legend()
-        paths.append(_save(fig, "benchmarks-latency.png"))
+        paths.append(_save(fig, f"benchmarks-latency{suffix}.png"))
     return paths
 
 
-def _utilization_plot(plt: Any, rows: list[dict[str, Any]]) -> Path:
+def _utilization_plot(plt: Any, rows: list[dict[str, Any]], suffix: str) -> Path:
     limits = sorted({r["limit"] for r in rows})
     fig, grid = plt.subplots(1, len(limits), figsize=(10, 4), sharey=True, squeeze=False)
     axes = list(grid[0])
@@ -184,7 +184,7 @@ def _utilization_plot(plt: Any, rows: list[dict[str, Any]]) -> Path:
     axes[0].set_ylabel("fraction of the limit in use")
     axes[-1].legend(fontsize=7)
     fig.suptitle("Utilization while demand exceeds the limit")
-    return _save(fig, "benchmarks-utilization.png")
+    return _save(fig, f"benchmarks-utilization{suffix}.png")
 
 
 def _save(fig: Any, name: str) -> Path:
