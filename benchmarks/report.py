@@ -140,7 +140,9 @@ def render_plots(results: dict[str, Any], *, suffix: str = "") -> list[Path]:
         fig, ax = plt.subplots(figsize=(8, 4))
         rows = results["overhead"]
         plain = _plain_reference(rows)
-        labels = [f"{r['pool']}\n{r['variant']}" for r in rows]
+        # the two plain runs of a pool get distinct labels, or their bars would overlap
+        labels = [f"{r['pool']}\n{r['variant']}" + (f" {n}" if r["variant"] == "plain" else "")
+                  for n, r in enumerate(rows)]
         ax.bar(labels, [r["per_s"] / plain[r["pool"]] for r in rows], color="tab:blue")
         ax.axhline(0.95, color="green", linestyle="--", label="leases target 0.95")
         ax.axhline(0.8, color="orange", linestyle="--", label="grants target 0.8")
