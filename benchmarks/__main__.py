@@ -53,7 +53,7 @@ def run_contention(plan: Plan, database: str) -> tuple[list[dict[str, Any]],
     with running(config, clients=plan.contention_clients, pool="threads",
                  concurrency=plan.contention_concurrency, log_dir=LOG_DIR,
                  label="contention") as cluster:
-        for variant in ("plain", "diy", *SEMAPHORES):
+        for variant in plan.latency_variants:
             row = measure.latency(cluster, variant, samples=plan.latency_samples,
                                   spacing=plan.latency_spacing)
             latency.append(row)

@@ -39,6 +39,7 @@ class Plan:
     contention_clients: int = 2
     contention_concurrency: int = 16  # 2 x 16 = 32 slots >= limit 20 + 12
     contention_variants: tuple[str, ...] = VARIANTS
+    latency_variants: tuple[str, ...] = VARIANTS
     latency_samples: int = 40
     latency_spacing: float = 0.05
     scale_keys: int = 10_000
@@ -56,6 +57,7 @@ def make_plan(quick: bool) -> Plan:
                     overhead_pools=("threads",), works=(1.0, 0.01), limits=(20,),
                     busy_seconds={1.0: 3.0, 0.1: 1.5, 0.01: 1.5},
                     contention_variants=("plain", "diy", "leases", "leases_fast"),
+                    latency_variants=("plain", "diy", "leases", "leases_fast", "grants_fast"),
                     latency_samples=15, scale_keys=500, scale_seconds=2.0)
     return Plan(quick=False, overhead_tasks=1000, overhead_cap=12.0,
                 busy_seconds={1.0: 5.0, 0.1: 2.5, 0.01: 2.5})
