@@ -37,9 +37,10 @@ class Durability:
                 raise ConfigurationError(f"not a DurabilitySemaphore: {semaphore!r}")
             if semaphore.name in self.semaphores:
                 raise ConfigurationError(f"semaphore {semaphore.name!r} is configured twice")
-            if self.settings.claim_margin >= semaphore.config.grant_timeout:
+            margin = self.settings.claim_margin_for(semaphore.config.grant_timeout)
+            if margin >= semaphore.config.grant_timeout:
                 raise ConfigurationError(
-                    f"claim_margin ({self.settings.claim_margin}s) must be below the "
+                    f"claim_margin ({margin}s) must be below the "
                     f"grant_timeout of semaphore {semaphore.name!r} "
                     f"({semaphore.config.grant_timeout}s), or no grant could ever be claimed"
                 )

@@ -28,8 +28,10 @@ class DurabilitySettings:
     """A request unanswered this long counts as lost; the client asks again. Keep it well
     under a semaphore's grant_timeout: a claim counts only once a report of it reaches the
     holder before the claim deadline, and one lost message costs this long."""
-    claim_margin: float = 1.0
-    """Never claim a grant permit this close to its claim deadline."""
+    claim_margin: float | None = None
+    """Never claim a grant permit this close to its claim deadline. None: half of each
+    semaphore's grant_timeout, so that a claim's first report, if lost, is retried in time
+    (a claim counts only once a report of it reaches the holder before the deadline)."""
     max_held: int | None = None
     """Task messages one worker holds waiting for permits; None: 4 x pool size."""
     hold_deadline: float | None = None
@@ -54,7 +56,8 @@ class DurabilitySettings:
         if not isinstance(self.queue_prefix, str) or not _PREFIX.match(self.queue_prefix):
             raise ConfigurationError("queue_prefix must match [A-Za-z0-9_.-]{1,60}")
         _check_range("request_timeout", self.request_timeout, 0.05, 3600)
-        _check_range("claim_margin", self.claim_margin, 0, 3600)
+        if self.claim_margin is not None:
+            _check_range("claim_margin", self.claim_margin, 0, 3600)
         if self.max_held is not None:
             _check_range("max_held", self.max_held, 1, 1_000_000)
         if self.hold_deadline is not None:
@@ -67,3 +70,7 @@ class DurabilitySettings:
         _check_range("reconcile_interval", self.reconcile_interval, 0.1, 86400)
         if not isinstance(self.supports_leases, bool):
             raise ConfigurationError("supports_leases must be a bool")
+
+    def claim_margin_for(self, grant_timeout: float) -> float:
+        """The claim margin used for a semaphore with this grant_timeout."""
+        return self.claim_margin if self.claim_margin is not None else grant_timeout / 2

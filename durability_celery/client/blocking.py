@@ -37,7 +37,7 @@ class BlockingClient:
 
         durability = (app_or_durability if isinstance(app_or_durability, Durability)
                       else durability_for(app_or_durability))
-        durability.semaphore(semaphore_name)  # ConfigurationError naming the known ones
+        semaphore = durability.semaphore(semaphore_name)  # ConfigurationError naming the known
         settings = durability.settings
         self._durability = durability
         self.semaphore = semaphore_name
@@ -46,7 +46,8 @@ class BlockingClient:
         self._clock = clock
         self.client = SemaphoreClient(
             semaphore_name, client_id=self.client_id, supports_leases=settings.supports_leases,
-            claim_margin=settings.claim_margin, request_timeout=self.timeout, clock=clock,
+            claim_margin=settings.claim_margin_for(semaphore.config.grant_timeout),
+            request_timeout=self.timeout, clock=clock,
         )
         # A random suffix: two clients given the same client_id must not share replies.
         self.reply_queue = reply_queue(

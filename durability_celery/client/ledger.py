@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from ..core.messages import GrantReport, LeaseReport
 from .replies import Blocked, GrantView, LeaseView, Reply
 
+LATE_PREFIX = "late:"
+"""Lease id prefix for claims a grant could no longer count (see GrantCopy.late_report)."""
 BACKOFF_BASE = 0.5
 """Seconds to wait after the first failure of a key; doubles per failure in a row."""
 BACKOFF_MAX = 30.0
@@ -43,6 +45,9 @@ class GrantCopy:
     expired: bool = False
     acked_claimed: int = 0
     acked_released: int = 0
+    late_acked: tuple[int, int] = (0, 0)
+    """(drawn, released) of the late lease (see late_report) the holder acknowledged."""
+    late_settled: bool = False
 
     def claimable(self, now: float, margin: float) -> int:
         if self.expired or self.claim_deadline - margin <= now:
@@ -53,13 +58,35 @@ class GrantCopy:
         # The holder clamps to its permits; a claim it refused is not "unreported".
         return min(self.claimed, self.permits) > self.acked_claimed
 
+    def late_report(self) -> LeaseReport | None:
+        """Claims the holder never counted, reported as a lease it charges until released.
+
+        A claim counts only if a report of it reaches the holder before the claim
+        deadline; one that did not (lost messages) left its item running on a
+        permit the holder reclaimed. Those items are reported as a lease the
+        holder never issued, which it keeps charged until they are released.
+        Releases go to the counted claims first, so the total stays exact.
+        """
+        late = self.claimed - self.permits
+        if late <= 0 or self.late_settled:
+            return None
+        released = max(0, self.released - self.permits)
+        return LeaseReport(LATE_PREFIX + self.grant_id, late, released, stopped=True)
+
     def unreported(self) -> bool:
-        return self.unreported_claims() or min(self.released, self.permits) > self.acked_released
+        late = self.late_report()
+        return (
+            self.unreported_claims()
+            or min(self.released, self.permits) > self.acked_released
+            or (late is not None and (late.drawn, late.released) != self.late_acked)
+        )
 
     def done(self, now: float, margin: float, *, stopped: bool) -> bool:
         """Nothing left to claim, everything claimed released, and the holder knows it."""
         nothing_claimable = stopped or self.claimable(now, margin) == 0
-        return nothing_claimable and self.released == self.claimed and not self.unreported()
+        late_open = self.claimed > self.permits and not self.late_settled
+        return (nothing_claimable and self.released == self.claimed and not late_open
+                and not self.unreported())
 
 
 @dataclass
@@ -139,7 +166,8 @@ class KeyLedger:
             LeaseReport(le.lease_id, le.drawn, le.released, le.stopped)
             for le in self.leases.values()
         )
-        return grants, leases
+        late = tuple(r for g in self.grants.values() if (r := g.late_report()) is not None)
+        return grants, leases + late
 
     def mark_sent(self, now: float) -> None:
         stopped = frozenset(le.lease_id for le in self.leases.values() if le.stopped)
@@ -184,7 +212,11 @@ class KeyLedger:
             return
         copy = self.grants.get(view.grant_id)
         if view.status == "not_found":
-            if copy is not None:
+            if copy is not None and copy.claimed > copy.released:
+                # Reclaimed whole before any claim of ours reached the holder, while
+                # items still run on it: they are reported as late claims.
+                copy.expired, copy.permits = True, 0
+            elif copy is not None:
                 self.forget_grant(copy, now)
             return
         # No deadline: the holder gives no window to claim in, so claim nothing.
@@ -208,6 +240,9 @@ class KeyLedger:
     def _apply_lease(self, view: LeaseView, round_at: float, anchor: float, now: float, *,
                      latest: bool, acked_stop: bool, draw: bool) -> None:
         if view.lease_id in self.tombstones:
+            return
+        if view.lease_id.startswith(LATE_PREFIX):
+            self._apply_late(view)
             return
         copy = self.leases.get(view.lease_id)
         if view.status == "settled":
@@ -233,6 +268,16 @@ class KeyLedger:
         copy.acked_released = max(copy.acked_released, view.released)
         if view.status == "retired":
             copy.stop()  # draw no more; confirm what we drew until the holder settles it
+
+    def _apply_late(self, view: LeaseView) -> None:
+        grant = self.grants.get(view.lease_id.removeprefix(LATE_PREFIX))
+        if grant is None:
+            return
+        drawn, released = grant.late_acked
+        grant.late_acked = (max(drawn, view.drawn), max(released, view.released))
+        report = grant.late_report()
+        if view.status == "settled" and (report is None or report.released == report.drawn):
+            grant.late_settled = True
 
     # -- forgetting ----------------------------------------------------------
 

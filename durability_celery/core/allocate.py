@@ -91,8 +91,7 @@ def _room(ledger: Ledger, limit: int) -> _Room:
     return _Room(
         limit=limit,
         grants_out=sum(g.footprint for g in ledger.grants.values()),
-        lease_footprint=sum(le.footprint for le in ledger.leases.values())
-        + ledger.unknown_footprint,
+        lease_footprint=sum(le.footprint for le in ledger.leases.values()),
         group_used=group_used,
     )
 

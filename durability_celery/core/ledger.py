@@ -15,8 +15,6 @@ from .state import Grant, Lease
 class Ledger:
     grants: dict[str, Grant]
     leases: dict[str, Lease]
-    unknown_leases: dict[str, LeaseReport] = field(default_factory=dict)
-    """Leases reported by their client but unknown here: charged for this round only."""
     settled: dict[str, Lease] = field(default_factory=dict)
     """Leases settled (removed) during this round, kept to answer their reports."""
 
@@ -51,12 +49,17 @@ class Ledger:
                     stopped=lease_report.stopped, now=now,
                 )
             elif lease_report.lease_id not in self.settled:
-                self._charge_unknown(lease_report)
+                self._adopt_unknown(request.client_id, lease_report, now)
 
-    def _charge_unknown(self, report: LeaseReport) -> None:
-        known = self.unknown_leases.get(report.lease_id)
-        if known is None or report.drawn - report.released > known.drawn - known.released:
-            self.unknown_leases[report.lease_id] = report
+    def _adopt_unknown(self, client_id: str, report: LeaseReport, now: float) -> None:
+        """A lease this holder never knew (lost with a reply, or a client's record of claims
+        that reached us too late to count) is charged from now on, as a retired lease
+        whose final draws the client confirmed, until everything drawn is released."""
+        if report.drawn > report.released:
+            self.leases[report.lease_id] = Lease(
+                report.lease_id, client_id, None, report.drawn, report.drawn, report.released,
+                issued_at=now, last_report_at=now, status="retired", confirmed=True,
+            )
 
     def reclaim(self, now: float) -> None:
         """Take back unclaimed permits past their deadline; drop grants with nothing left."""
@@ -81,7 +84,3 @@ class Ledger:
         for lease_id, lease in list(self.leases.items()):
             if lease.settled:
                 self.settled[lease_id] = self.leases.pop(lease_id)
-
-    @property
-    def unknown_footprint(self) -> int:
-        return sum(r.drawn - r.released for r in self.unknown_leases.values())

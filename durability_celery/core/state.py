@@ -20,7 +20,9 @@ GRANT_MOVES: dict[tuple[str, str], GrantStatus] = {
 }
 
 # "retired" leases draw no more; they stay counted (in full until the client
-# confirms its final `drawn`, then `drawn - released`) until settled.
+# confirms its final `drawn`, then `drawn - released`) until settled. A lease
+# the holder never issued but a client reports in use is born retired and
+# confirmed (core/ledger.py), so it counts until its draws are released.
 LEASE_MOVES: dict[tuple[str, str], LeaseStatus] = {
     ("active", "report"): "active",
     ("active", "stop"): "retired",

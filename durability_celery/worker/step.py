@@ -62,7 +62,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.clients = {
             name: SemaphoreClient(name, client_id=self.client_id,
                                   supports_leases=settings.supports_leases,
-                                  claim_margin=settings.claim_margin,
+                                  claim_margin=settings.claim_margin_for(
+                                      self.durability.semaphores[name].config.grant_timeout),
                                   request_timeout=settings.request_timeout)
             for name in self.durability.semaphores
         }

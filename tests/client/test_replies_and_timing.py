@@ -248,7 +248,7 @@ def test_a_stopped_idle_lease_is_asked_about_again_until_settled() -> None:
     assert client.due() == [KEY]
 
 
-def test_expired_grant_shrinks_and_not_found_grant_is_forgotten() -> None:
+def test_expired_grant_shrinks_and_an_unused_not_found_grant_is_forgotten() -> None:
     clock = FakeClock()
     client = make_client(clock)
     for i in range(2):
@@ -262,10 +262,61 @@ def test_expired_grant_shrinks_and_not_found_grant_is_forgotten() -> None:
         grant("g2", permits=5, claim_deadline=clock.now + 20)]))
     permits = client.admit()
     assert {p.source_id for p in permits} == {"g2"}
+    assert client.release("t0") and client.release("t1")
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g2", permits=5, claimed=2, released=2)]))
     client.on_response(KEY, reply(clock.now, grants=[
         grant("g2", permits=5, claimed=0, status="not_found")]))
     assert grant_reports(client.message(KEY)) == {}
-    assert client.release("t0")  # its item still ends normally
+
+
+def test_claims_that_reached_the_holder_too_late_are_reported_as_a_late_lease() -> None:
+    """A claim counts only if reported before the claim deadline; items running on
+    claims the holder never counted stay charged through a lease until released."""
+    clock = FakeClock()
+    client = make_client(clock)
+    for i in range(3):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=3, claim_deadline=clock.now + 10)]))
+    assert len(client.admit()) == 3
+    client.on_failure(KEY)  # the message that reported the claims was lost
+    # The holder reclaimed the grant whole: none of the claims reached it.
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[grant("g1", status="not_found")]))
+    message = client.message(KEY)
+    assert lease_reports(message) == {"late:g1": (3, 0, True)}
+    assert client.release("t0")
+    assert lease_reports(client.message(KEY)) == {"late:g1": (3, 1, True)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("late:g1", permits=3, drawn=3, released=1, status="retired")]))
+    assert client.release("t1") and client.release("t2")
+    assert lease_reports(client.message(KEY)) == {"late:g1": (3, 3, True)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("late:g1", permits=3, drawn=3, released=3, status="settled")]))
+    clock.advance(30)
+    assert client.settled()
+
+
+def test_a_grant_partly_counted_reports_only_the_uncounted_claims_late() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i in range(3):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=3, claim_deadline=clock.now + 10)]))
+    client.admit()
+    client.message(KEY)
+    # The holder heard of one claim before its deadline: it counts that one.
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claimed=1, status="expired")]))
+    assert client.release("t0")
+    message = client.message(KEY)
+    assert grant_reports(message) == {"g1": (3, 1)}
+    assert lease_reports(message) == {"late:g1": (2, 0, True)}
 
 
 def test_unknown_grants_and_leases_in_a_reply_are_adopted() -> None:

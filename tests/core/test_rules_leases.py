@@ -140,7 +140,9 @@ def test_contended_reply_when_demand_is_left(make_semaphore: Any) -> None:
     assert b["contended"] and blocked(b) == {None: ("limit", 2)}
 
 
-def test_report_for_unknown_lease_is_retired_and_charged_that_round(make_semaphore: Any) -> None:
+def test_report_for_unknown_lease_is_retired_and_charged_until_settled(
+    make_semaphore: Any,
+) -> None:
     sem = make_semaphore(Limits(4), leases=Leases(Strict()))
     stray, other = sem.run_round(KEY, [
         sync("a", leases=[("never-issued", 3, 0, False)]),
@@ -148,8 +150,18 @@ def test_report_for_unknown_lease_is_retired_and_charged_that_round(make_semapho
     ], now=T0)
     assert stray["leases"][0]["status"] == "retired"
     assert granted(other) == 1
-    (done,) = sem.run_round(KEY, [sync("a", leases=[("never-issued", 3, 3, True)])], now=T0 + 1)
+    # Still counted in later rounds that do not carry its report.
+    (later,) = sem.run_round(KEY, [request("c", [(None, 4, 1.0)])], now=T0 + 20)
+    assert granted(later) == 1 and sem.usage(KEY, now=T0 + 20).lease_footprint == 3
+    (part,) = sem.run_round(KEY, [sync("a", leases=[("never-issued", 3, 2, True)])], now=T0 + 21)
+    assert part["leases"][0]["status"] == "retired"
+    assert sem.usage(KEY, now=T0 + 21).lease_footprint == 1
+    (done,) = sem.run_round(KEY, [sync("a", leases=[("never-issued", 3, 3, True)])], now=T0 + 22)
     assert done["leases"][0]["status"] == "settled"
+    assert sem.usage(KEY, now=T0 + 22).lease_footprint == 0
+    # A report of a lease the holder never knew with nothing in use charges nothing.
+    (idle,) = sem.run_round(KEY, [sync("a", leases=[("other", 2, 2, True)])], now=T0 + 23)
+    assert idle["leases"][0]["status"] == "settled"
 
 
 def test_lowering_the_limit_retires_leases(make_semaphore: Any) -> None:
