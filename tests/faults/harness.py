@@ -109,7 +109,8 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
         set(cluster.starts()) >= expected and set(cluster.ends()) | lost >= expected),
         timeout=timeout, context=lambda: (
             f"{len(expected - set(cluster.starts()))} not started, "
-            f"{len(expected - set(cluster.ends()) - lost)} not ended; {cluster.logs()}"))
+            f"{len(expected - set(cluster.ends()) - lost)} not ended; holder state: "
+            f"{[cluster.semaphore.state(k) for k in limits]}\n{cluster.logs()}"))
     last_end = time.time()
     starts = cluster.starts()
     twice = {i: n for i, n in starts.items() if i in expected and n != 1}
