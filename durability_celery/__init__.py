@@ -22,9 +22,13 @@ from .errors import (
 from .semaphore import DurabilitySemaphore
 from .settings import DurabilitySettings
 from .store import metadata
+from .transport import register as _register_transport
 from .worker import AdmissionError, AdmittedTask
 
 __version__ = "0.1.0"
+
+# Every process that imports the library can use `durability-filesystem://`.
+_register_transport()
 
 __all__ = [
     # the holder's budget

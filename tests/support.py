@@ -120,7 +120,8 @@ def _redis_ping_flush(db: int) -> str:
 
 
 def filesystem_broker(folder: Path) -> dict[str, Any]:
-    """Celery settings for kombu's `filesystem://` broker in `folder` (works across processes).
+    """Celery settings for the embedded broker in `folder` (works across processes): kombu's
+    filesystem transport with atomic writes (`durability-filesystem://`).
 
     Producers and consumers must use the same folders: in == out here.
     """
@@ -129,7 +130,7 @@ def filesystem_broker(folder: Path) -> dict[str, Any]:
     for path in (data, control):
         path.mkdir(parents=True, exist_ok=True)
     return {
-        "broker_url": "filesystem://",
+        "broker_url": "durability-filesystem://",
         "broker_transport_options": {
             "data_folder_in": str(data),
             "data_folder_out": str(data),

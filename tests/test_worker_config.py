@@ -32,12 +32,17 @@ def limit_of(key: str) -> int:
 def test_embedded_default(tmp_path: Path) -> None:
     config = load_config({}, cwd=tmp_path)
     assert config.home == tmp_path / ".durability"
-    assert config.broker_url == "filesystem://"
+    assert config.broker_url == "durability-filesystem://"
     opts = config.broker_transport_options
     assert opts["data_folder_in"] == opts["data_folder_out"] == str(
         tmp_path / ".durability" / "broker" / "data")
     assert config.database_url == f"sqlite:///{tmp_path / '.durability' / 'durability.db'}"
     assert config.semaphores == () and config.settings.shards == 16
+
+
+def test_plain_filesystem_url_gets_the_atomic_transport(tmp_path: Path) -> None:
+    config = load_config({"DURABILITY_BROKER_URL": "filesystem://"}, cwd=tmp_path)
+    assert config.broker_url == "durability-filesystem://" and config.embedded_broker
 
 
 def test_redis_and_rabbitmq_brokers(tmp_path: Path) -> None:

@@ -68,10 +68,6 @@ def build_app(config: WorkerConfig, *, main: str = "worker_config") -> tuple[Cel
     from durability_celery import store
 
     make_home(config)
-    if config.embedded_broker:
-        from .transport import install
-
-        install()  # atomic writes: see worker_config/transport.py
     celery_app = Celery(main)
     celery_app.conf.update(celery_settings(config))
     try:

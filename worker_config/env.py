@@ -17,6 +17,8 @@ from durability_celery.errors import ConfigurationError
 from durability_celery.settings import DurabilitySettings
 
 ENV_PREFIX = "DURABILITY_"
+EMBEDDED_SCHEME = "durability-filesystem"
+"""The embedded broker: kombu's filesystem transport with atomic writes."""
 DEFAULT_HOME = ".durability"
 DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 """Redis redelivers a message unacked this long; held messages go back well before (VT/2)."""
@@ -64,7 +66,7 @@ class WorkerConfig:
 
     @property
     def embedded_broker(self) -> bool:
-        return self.broker_url.startswith("filesystem://")
+        return self.broker_url.startswith(f"{EMBEDDED_SCHEME}://")
 
 
 def load_config(env: Mapping[str, str], *, cwd: Path | None = None) -> WorkerConfig:
@@ -72,7 +74,11 @@ def load_config(env: Mapping[str, str], *, cwd: Path | None = None) -> WorkerCon
     home = Path(env.get("DURABILITY_HOME") or DEFAULT_HOME)
     if not home.is_absolute():
         home = (cwd or Path.cwd()) / home
-    broker_url = env.get("DURABILITY_BROKER_URL") or "filesystem://"
+    broker_url = env.get("DURABILITY_BROKER_URL") or f"{EMBEDDED_SCHEME}://"
+    if broker_url.startswith("filesystem://"):
+        # kombu's own filesystem transport loses messages under concurrent use
+        # (see durability_celery/transport.py): the atomic variant serves it.
+        broker_url = EMBEDDED_SCHEME + broker_url.removeprefix("filesystem")
     options = _transport_options(env, broker_url, home)
     database_url = env.get("DURABILITY_DATABASE_URL") or f"sqlite:///{home / 'durability.db'}"
     if "://" not in database_url:
@@ -119,7 +125,7 @@ def _transport_options(env: Mapping[str, str], broker_url: str, home: Path) -> d
     if "://" not in broker_url:
         raise EnvError("DURABILITY_BROKER_URL", f"not a broker URL: {broker_url!r}")
     scheme = broker_url.split("://", 1)[0]
-    if scheme == "filesystem":
+    if scheme in ("filesystem", EMBEDDED_SCHEME):
         data = str(home / "broker" / "data")
         return {
             "data_folder_in": data,

@@ -163,7 +163,7 @@ def _prepare(run: DemoRun) -> tuple[Any, Any]:
 
 
 def _start_children(children: Children, run: DemoRun) -> None:
-    # Started together: worker_config's atomic filesystem transport makes the
+    # Started together: the atomic filesystem transport (durability_celery.transport) makes the
     # simultaneous first start safe (kombu's own races on exchange files).
     common = ["--loglevel=INFO", "--without-mingle", "--without-gossip"]
     started = [children.start("holder", [

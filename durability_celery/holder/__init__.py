@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .fs_transport import register as _register_fs_transport
 from .queues import (
     MAX_BODY_BYTES,
     error_reply,
@@ -25,10 +24,6 @@ __all__ = [
     "install",
     "reply_queue_declaration",
 ]
-
-
-# Every process that imports the library can use `durability-filesystem://`.
-_register_fs_transport()
 
 
 def install(durability: Durability) -> None:

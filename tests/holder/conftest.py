@@ -39,9 +39,9 @@ def holder_pg_url() -> Iterator[str]:
 
 def embedded_broker(folder: Path) -> dict[str, Any]:
     """The shared filesystem broker settings, with the atomic-write variant of the
-    transport (durability_celery.holder.fs_transport): plain `filesystem://` loses
+    transport (durability_celery.transport): plain `filesystem://` loses
     about one message in a hundred to a read-before-write race in kombu 5.7."""
-    from durability_celery.holder.fs_transport import SCHEME
+    from durability_celery.transport import SCHEME
 
     return {**filesystem_broker(folder), "broker_url": f"{SCHEME}://"}
 
