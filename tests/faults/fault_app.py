@@ -110,7 +110,7 @@ def define_tasks(app: Celery, config: dict[str, Any]) -> tuple[Any, Any]:
     start_script = ledger.register_script(_START)
     end_script = ledger.register_script(_END)
 
-    @app.task(bind=True, base=AdmittedTask, name="fault.admitted",
+    @app.task(bind=True, base=AdmittedTask, name="fault.admitted",  # type: ignore[untyped-decorator]
               semaphore=config["semaphore"]["name"], key="account", group="group",
               shared=False)
     def admitted(self: Any, account: str, group: str | None = None,
@@ -121,7 +121,7 @@ def define_tasks(app: Celery, config: dict[str, Any]) -> tuple[Any, Any]:
         finally:  # a SIGKILLed worker never gets here: the ledger keeps it running
             end_script(keys=[account, group or ""], args=[self.request.id, time.time()])
 
-    @app.task(name="fault.plain", shared=False)
+    @app.task(name="fault.plain", shared=False)  # type: ignore[untyped-decorator]
     def plain() -> None:
         return None
 
@@ -158,7 +158,7 @@ def install_wire_faults(spec: str, ledger_url: str) -> None:
     from durability_celery.client import ledger as client_ledger
     from durability_celery.worker.step import GateStep
 
-    client_ledger.BACKOFF_MAX = BACKOFF_MAX_UNDER_FAULTS  # type: ignore[misc]
+    client_ledger.BACKOFF_MAX = BACKOFF_MAX_UNDER_FAULTS
     rates = parse_wire(spec)
     ledger = redis.Redis.from_url(ledger_url)
     chance = random.Random()

@@ -127,13 +127,21 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
         for group, ceiling in (group_limits or {}).items():
             assert cluster.max_running(key, group) <= ceiling, (key, group)
     outcome = Outcome(ran=len(starts), max_running=peaks, repeated=len(twice))
-    for key in limits if settle is not None else ():
-        cluster.wait_for(f"usage of {key} back to zero",
-                         lambda key=key: in_use(cluster, key) == 0,
-                         timeout=settle,
-                         context=lambda key=key: str(cluster.semaphore.state(key)))
-        outcome.usage_zero_after[key] = round(time.time() - last_end, 2)
+    if settle is not None:
+        for key in limits:
+            wait_usage_zero(cluster, key, timeout=settle)
+            outcome.usage_zero_after[key] = round(time.time() - last_end, 2)
     return outcome
+
+
+def wait_usage_zero(cluster: FaultCluster, key: str, *, timeout: float) -> None:
+    def zero() -> bool:
+        return in_use(cluster, key) == 0
+
+    def context() -> str:
+        return str(cluster.semaphore.state(key))
+
+    cluster.wait_for(f"usage of {key} back to zero", zero, timeout=timeout, context=context)
 
 
 def report(name: str, **measured: Any) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kombu import Consumer, Producer
+from kombu.messaging import Consumer, Producer
 
 from durability_celery.holder import MAX_BODY_BYTES, holder_queue_declaration
 from durability_celery.holder.queues import reply_queue_declaration
@@ -37,22 +37,22 @@ class Attacker:
         prefix = cluster.durability.settings.queue_prefix
         self.reply_to = f"{prefix}.reply.attacker-{uuid.uuid4().hex[:6]}"
         self.replies: dict[str, Any] = {}
-        self.consumer = Consumer(self.connection.channel(),
+        self.consumer = Consumer(self.connection.channel(),  # type: ignore[no-untyped-call]
                                  [reply_queue_declaration(self.reply_to, expires=60)],
                                  no_ack=True, accept=["json"], on_message=self._on_message)
-        self.consumer.consume()
-        self.producer = Producer(self.connection.channel())
+        self.consumer.consume()  # type: ignore[no-untyped-call]
+        self.producer = Producer(self.connection.channel())  # type: ignore[no-untyped-call]
 
     def _on_message(self, message: Any) -> None:
         self.replies[message.properties["correlation_id"]] = message.decode()
 
     def send(self, key: str, body: Any, *, reply: bool = True, **options: Any) -> str:
         queue = self.cluster.durability.queue_for(self.cluster.semaphore.name, key)
-        holder_queue_declaration(queue)(self.producer.channel).declare()
+        holder_queue_declaration(queue)(self.producer.channel).declare()  # type: ignore[no-untyped-call]
         correlation_id = uuid.uuid4().hex
         extra = {"reply_to": self.reply_to} if reply else {}
         options.setdefault("serializer", "json")
-        self.producer.publish(body, exchange="", routing_key=queue,
+        self.producer.publish(body, exchange="", routing_key=queue,  # type: ignore[no-untyped-call]
                               correlation_id=correlation_id, **extra, **options)
         return correlation_id
 
