@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..core.keystate import Blocked
 from ..core.messages import GrantReport, LeaseReport
-from .replies import Blocked, GrantView, LeaseView, Reply
+from .replies import GrantView, LeaseView, Reply
 
 LATE_PREFIX = "late:"
 """Lease id prefix for claims a grant could no longer count (see GrantCopy.late_report)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..core.config import MAX_COUNT
+from ..core.keystate import REASON_PRECEDENCE, Blocked
 from ..core.messages import MAX_ENTRIES, MAX_ID_LENGTH, VERSION
 from ..errors import InvalidMessage
 
@@ -42,15 +43,6 @@ class LeaseView:
     expires_at: float | None
     """None for a lease the holder never knew."""
     status: LeaseReplyStatus
-
-
-@dataclass(frozen=True)
-class Blocked:
-    """Demand of one group that the round left queued, and why."""
-
-    group: str | None
-    reason: str
-    queued: int
 
 
 @dataclass(frozen=True)
@@ -149,7 +141,7 @@ def _lease(raw: Mapping[str, Any], where: str) -> LeaseView:
 def _blocked(raw: Mapping[str, Any], where: str) -> Blocked:
     return Blocked(
         group=_group(raw.get("group"), f"{where}group"),
-        reason=_ident(_get(raw, "reason", where), f"{where}reason"),
+        reason=_status(_get(raw, "reason", where), f"{where}reason", REASON_PRECEDENCE),
         queued=_count(raw.get("queued", 0), f"{where}queued"),
     )
 
