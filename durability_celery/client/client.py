@@ -169,7 +169,7 @@ class SemaphoreClient:
         now = self._clock()
         for ledger in self._ledgers.values():
             if ledger.in_flight and now >= ledger.in_flight.sent_at + self.request_timeout:
-                ledger.fail(now, "request_timeout")
+                ledger.fail(now, "request_timeout", cap=self.request_timeout)
         self._sweep(now)
         return [key for key, at in self._due_times(now) if at is not None and at <= now]
 
@@ -221,10 +221,10 @@ class SemaphoreClient:
         try:
             reply = parse_reply(response, semaphore=self.semaphore, key=key)
         except InvalidMessage as exc:
-            ledger.fail(now, f"malformed_reply: {exc}")
+            ledger.fail(now, f"malformed_reply: {exc}", cap=self.request_timeout)
             return
         if isinstance(reply, ErrorReply):
-            ledger.fail(now, f"{reply.code}: {reply.message}")
+            ledger.fail(now, f"{reply.code}: {reply.message}", cap=self.request_timeout)
             return
         ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped)
         if reply.contended:
@@ -239,7 +239,7 @@ class SemaphoreClient:
 
     def on_failure(self, key: str) -> None:
         """The in-flight message failed or timed out: retry after backoff."""
-        self._ledger(key).fail(self._clock(), "failed")
+        self._ledger(key).fail(self._clock(), "failed", cap=self.request_timeout)
 
     def stop(self) -> None:
         """Shutdown: stop every lease (reported stopped=true); admit nothing more."""

@@ -175,11 +175,15 @@ class KeyLedger:
         self.in_flight = InFlight(sent_at=now, stopped_leases=stopped)
         self.last_sent_at = now
 
-    def fail(self, now: float, reason: str) -> None:
-        """The in-flight message failed: keep every copy, wait before the next attempt."""
+    def fail(self, now: float, reason: str, *, cap: float = BACKOFF_MAX) -> None:
+        """The in-flight message failed: keep every copy, wait before the next attempt.
+
+        The wait doubles per failure in a row, up to `cap`: a client that loses
+        messages often must still ask again soon, or its queue stalls."""
         self.in_flight = None
         self.failures += 1
-        self.backoff_until = now + min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (self.failures - 1))
+        wait = BACKOFF_BASE * 2 ** min(self.failures - 1, 16)
+        self.backoff_until = now + min(cap, BACKOFF_MAX, wait)
         self.last_error = reason
 
     # -- receiving -----------------------------------------------------------

@@ -176,6 +176,12 @@ class Dispatcher(threading.Thread):
             for deadline in _claim_deadlines(event.responses):
                 self._batcher.set_alarm(key_id, deadline)
         for request, answer in zip(event.job.requests, answers, strict=True):
+            if "error" in answer and event.responses is not None:
+                # Refused by validation (it changed nothing): say so even when
+                # there is no one to answer, so hostile or broken senders show up.
+                logger.warning("holder: refused a message for %s/%s (reply_to=%s): %s",
+                               key_id[0], key_id[1], request.reply_to or "-",
+                               answer["error"].get("message"))
             if request.reply_to:
                 self._publisher.publish(request.reply_to, request.correlation_id, answer)
 
