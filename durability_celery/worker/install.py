@@ -49,19 +49,34 @@ def _stamp_headers(sender: Any = None, body: Any = None, headers: Any = None,
     """Headers for admitted tasks published by name (send_task): apply_async did the rest."""
     if not isinstance(headers, dict) or HEADER_SEMAPHORE in headers:
         return
+    if not isinstance(body, tuple | list) or len(body) < 2:
+        return
+    task = _admitted_task(sender)
+    if task is None:
+        return
+    try:
+        headers.update(task.admission().headers(body[0] or (), body[1] or {}))
+    except DurabilityError as exc:
+        # Signal errors never reach the caller; the worker refuses the task.
+        logger.warning("durability: task %s published without a valid key: %s", sender, exc)
+
+
+def _admitted_task(name: Any) -> AdmittedTask | None:
+    """The admitted task called `name`, if the apps of this process agree on what it is.
+
+    The signal does not say which app publishes, so with several apps in one
+    process (tests, embedded tools) two may define the same name differently;
+    then nothing is stamped and the worker computes the headers itself.
+    """
+    found: dict[str, AdmittedTask] = {}
     for app in list(_apps):
         try:
-            task = app.tasks.get(sender)  # finalizes a lazy app, as a first task use would
+            task = app.tasks.get(name)  # finalizes a lazy app, as a first task use would
         except DurabilityError:
             continue  # another app with a broken task definition: not ours to report
-        if isinstance(task, AdmittedTask) and isinstance(body, tuple | list) and len(body) >= 2:
-            try:
-                headers.update(task.admission().headers(body[0] or (), body[1] or {}))
-            except DurabilityError as exc:
-                # Signal errors never reach the caller; the worker refuses the task.
-                logger.warning("durability: task %s published without a valid key: %s",
-                               sender, exc)
-            return
+        if isinstance(task, AdmittedTask):
+            found[task.admission().semaphore] = task
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def _final_reports(**_: Any) -> None:
