@@ -166,29 +166,6 @@ def _insert(conn: Connection, stmts: _Statements, rows: list[dict[str, Any]]) ->
         ) from exc
 
 
-def _update(conn: Connection, stmts: _Statements, where: dict[str, str],
-            rows: list[dict[str, Any]]) -> None:
-    # On PostgreSQL one UPDATE ... FROM (VALUES ...) replaces a statement per
-    # row: a busy round updates a row per reporting client, and each statement
-    # costs a network exchange (measured: ~55 pipelined statements per
-    # 100-client round, most of its store time).
-    if conn.dialect.name != "postgresql" or len(rows) < _COPY_FROM:
-        conn.execute(stmts.update, rows)
-        return
-    table = stmts.table
-    names = [c for c in stmts.columns if c != stmts.id_column]
-    changes = sa.values(
-        *(sa.column(c, table.c[c].type) for c in [stmts.id_column, *names]), name="changes"
-    ).data([tuple(row["b_id"] if c == stmts.id_column else row[c]
-                  for c in [stmts.id_column, *names]) for row in rows])
-    conn.execute(
-        update(table)
-        .where(table.c.semaphore == where["b_semaphore"], table.c.key == where["b_key"],
-               table.c[stmts.id_column] == changes.c[stmts.id_column])
-        .values({c: changes.c[c] for c in names})
-    )
-
-
 def _delete(conn: Connection, stmts: _Statements, where: dict[str, str], ids: list[str]) -> None:
     if conn.dialect.name == "postgresql":
         conn.execute(stmts.delete_any, {**where, "b_ids": ids})
@@ -221,7 +198,7 @@ def _write_diff(conn: Connection, stmts: _Statements, where: dict[str, str],
     if inserted:
         _insert(conn, stmts, inserted)
     if updated:
-        _update(conn, stmts, where, updated)
+        conn.execute(stmts.update, updated)
     if deleted:
         _delete(conn, stmts, where, deleted)
     return bool(inserted or updated or deleted)

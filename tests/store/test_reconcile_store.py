@@ -77,3 +77,25 @@ def test_clients_holding_nothing_are_not_tracked(database_url: str) -> None:
                   now=T0 + 1)
     assert sem.state(KEY).clients == ()
     assert sem.silent_clients(silent_for=0, now=T0 + 100) == {}
+
+
+def test_a_round_that_updates_many_leases_writes_every_field(database_url: str) -> None:
+    """Regression: a bulk UPDATE once sent NULL columns (a lease's group and group limit)
+    untyped to PostgreSQL, failing every round that updated four or more leases."""
+    sem = DurabilitySemaphore("accounts", database=database_url, limit=40,
+                              leases=Leases(Strict(), permits_per_lease=5))
+    sem.migrate()
+    clients = [f"c{i}" for i in range(6)]
+    replies = sem.run_round(KEY, [request(c, [(None, 1, 1.0)], supports_leases=True)
+                                  for c in clients], now=T0)
+    lease_ids = [r["leases"][0]["lease_id"] for r in replies]
+    sem.run_round(KEY, [sync(c, leases=[(lid, 3, 2, False)])
+                        for c, lid in zip(clients, lease_ids, strict=True)], now=T0 + 1)
+    leases = sem.state(KEY).leases
+    assert len(leases) == 6
+    assert {(le.drawn, le.released, le.last_report_at, le.group) for le in leases} == {
+        (3, 2, T0 + 1, None)}
+    done = sem.run_round(KEY, [sync(c, leases=[(lid, 3, 3, True)])
+                               for c, lid in zip(clients, lease_ids, strict=True)], now=T0 + 2)
+    assert all(r["leases"][0]["status"] == "settled" for r in done)
+    assert sem.usage(KEY, now=T0 + 2).lease_footprint == 0
