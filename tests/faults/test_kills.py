@@ -68,18 +68,7 @@ def test_client_sigkilled_mid_task_and_restarted(
                    "unacked_restore_throttle": 1})
     cluster.start(clients=2, pool="threads", concurrency=2)
     ids = cluster.publish(12, key="ck", work=2.0)
-    victim: list[str] = []
-
-    def one_worker_runs_and_holds() -> bool:
-        for name, reply in cluster.inspect_held().items():
-            if name.startswith("client") and reply["running"] >= 1 and reply["held"] >= 1:
-                victim[:] = [name]
-                return True
-        return False
-
-    cluster.wait_for("a worker running and holding tasks", one_worker_runs_and_holds,
-                     timeout=20)
-    proc = next(p for p in cluster.workers if victim[0].split("@")[0] in p.log())
+    proc = cluster.busy_worker()
     proc.kill()
     killed, killed_at = time.monotonic(), time.time()
     # Running anywhere at the kill: the victim's never end, the survivor's do.

@@ -108,6 +108,22 @@ class Cluster:
         usage = self.semaphore.usage(key)
         return usage.outstanding == 0 and usage.lease_footprint == 0
 
+    def busy_worker(self, *, timeout: float = 20) -> Proc:
+        """Wait for a client worker that runs one admitted task and holds another;
+        returns its process (the victim of the crash tests)."""
+        victim: list[str] = []
+
+        def one_worker_runs_and_holds() -> bool:
+            for name, reply in self.inspect_held().items():
+                if name.startswith("client") and reply["running"] >= 1 and reply["held"] >= 1:
+                    victim[:] = [name]
+                    return True
+            return False
+
+        self.wait_for("a worker running and holding tasks", one_worker_runs_and_holds,
+                      timeout=timeout)
+        return next(p for p in self.workers if victim[0].split("@")[0] in p.log())
+
     def inspect_held(self) -> dict[str, Any]:
         # Every worker answers (the holder too): stop waiting once all have.
         replies = self.app.control.broadcast("durability_held", reply=True, timeout=2.0,

@@ -29,19 +29,8 @@ def test_sigkill_mid_task(cluster_factory: Callable[..., Cluster]) -> None:
     ids = [str(cluster.admitted.apply_async(kwargs={"account": "crash", "work": 1.0}).id)
            for _ in range(12)]
 
-    victim: list[str] = []
-
-    def one_worker_runs_and_holds() -> bool:
-        for name, reply in cluster.inspect_held().items():
-            if name.startswith("client") and reply["running"] >= 1 and reply["held"] >= 1:
-                victim[:] = [name]
-                return True
-        return False
-
-    cluster.wait_for("a worker running and holding tasks", one_worker_runs_and_holds,
-                     timeout=20)
+    proc = cluster.busy_worker()
     before = cluster.starts()
-    proc = next(p for p in cluster.workers if victim[0].split("@")[0] in p.log())
     proc.kill()
     running_at_kill = {i for i in before if i not in cluster.ends()}
 
