@@ -66,13 +66,12 @@ def _leases(request: Request, index: ClientIndex) -> list[dict[str, Any]]:
     for report in request.leases:
         if report.lease_id in known:
             continue
-        # Never known here: answered retired (and charged this round) while it
-        # still has draws in use, settled once everything drawn is released.
-        in_use = report.drawn > report.released
+        # Not in the state: a lease never known here with nothing in use (one
+        # with draws in use was adopted by the ledger and is listed above).
         mine.append({
             "lease_id": report.lease_id, "group": None, "permits": report.drawn,
             "drawn": report.drawn, "released": report.released, "expires_at": None,
-            "status": "retired" if in_use else "settled",
+            "status": "settled",
         })
     return mine
 
