@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 
 from . import store
 from .core.clients import Forgotten, forget_client
-from .core.config import Leases, RoundConfig, validate_limit_value
+from .core.config import Leases, RoundConfig, validate_limit_value, validate_seconds
 from .core.round import KeyState, reclaim, run_round
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
@@ -138,12 +138,17 @@ class DurabilitySemaphore:
         round_period: float = 2.0,
         grant_timeout: float = 10.0,
         leases: Leases | None = None,
+        handoff_window: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = RoundConfig(
             semaphore=name, grant_timeout=grant_timeout, round_wait=round_wait,
             round_period=round_period, leases=leases,
         )
+        # A client-side policy (the holder never sees it): how long a worker may pass a
+        # finished task's permit straight to its next queued task of the same key and
+        # group before the permit must go back to the holder (SemaphoreClient.pass_on).
+        self._handoff_window = validate_seconds("handoff_window", handoff_window)
         self._limits = _CallbackLimits(limit, group_limit, can_grant)
         _check_callable("clock", clock, ())
         self._clock = clock
@@ -167,6 +172,11 @@ class DurabilitySemaphore:
     def config(self) -> RoundConfig:
         """The validated round settings."""
         return self._config
+
+    @property
+    def handoff_window(self) -> float:
+        """Seconds a permit may pass from a finished task to the next; 0: one-shot permits."""
+        return self._handoff_window
 
     @property
     def engine(self) -> Engine:

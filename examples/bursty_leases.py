@@ -41,9 +41,10 @@ def thumbnail(account_id: str, image: int) -> None:
 
 
 def admitted_from() -> dict[str, int]:
-    """How the worker got its permits: drawn from leases or claimed from grants."""
+    """How the worker got its permits: drawn from leases, claimed from grants, or passed
+    on from a finished task of the same account."""
     replies = app.control.broadcast("durability_held", reply=True, timeout=2.0)
-    totals = {"lease": 0, "grant": 0}
+    totals = {"lease": 0, "grant": 0, "handoff": 0}
     for reply in replies:
         for answer in reply.values():
             for source, count in answer.get("admitted_from", {}).items():
@@ -65,7 +66,8 @@ def main() -> None:
     rounds = accounts.state("acct-1").rounds
     print(f"{finished} tasks in {elapsed:.1f}s, peak {peak['acct-1']} running (limit {LIMIT})")
     print(f"permits drawn from leases: {sources['lease']}, claimed from grants: "
-          f"{sources['grant']}, allocation rounds at the holder: {rounds}")
+          f"{sources['grant']}, passed on by finished tasks: {sources['handoff']}, "
+          f"allocation rounds at the holder: {rounds}")
     assert finished == burst and peak["acct-1"] <= LIMIT
     assert sources["lease"] > sources["grant"]
 

@@ -106,7 +106,7 @@ def test_semaphores_short_form() -> None:
 def test_semaphores_json_form() -> None:
     raw = json.dumps({
         "accounts": {"limit": 5, "keys": {"big": 50}, "group_limit": 3, "groups": {"export": 1},
-                     "grant_timeout": 20, "round_period": 1,
+                     "grant_timeout": 20, "round_period": 1, "handoff_window": 0,
                      "leases": {"provisioning": "under", "reserve": 2, "permits_per_lease": 8}},
         "bursty": {"limit": 10, "leases": {"provisioning": "over", "ratio": 0.5}},
         "plain": 4,
@@ -118,7 +118,8 @@ def test_semaphores_json_form() -> None:
     assert callable(accounts.limit) and accounts.limit("big") == 50 and accounts.limit("x") == 5
     assert accounts.group_limit is not None
     assert accounts.group_limit("x", "export") == 1 and accounts.group_limit("x", "sync") == 3
-    assert dict(accounts.timing) == {"grant_timeout": 20.0, "round_period": 1.0}
+    assert dict(accounts.timing) == {"grant_timeout": 20.0, "round_period": 1.0,
+                                     "handoff_window": 0.0}
     assert accounts.leases is not None and accounts.leases.provisioning == Under(reserve=2)
     assert accounts.leases.permits_per_lease == 8
     bursty = specs["bursty"].leases

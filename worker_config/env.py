@@ -26,9 +26,9 @@ DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 _SEMAPHORE_FIELDS = {
     "limit", "keys", "group_limit", "groups", "grant_timeout", "round_wait", "round_period",
-    "leases", "can_grant",
+    "leases", "can_grant", "handoff_window",
 }
-_TIMING = ("grant_timeout", "round_wait", "round_period")
+_TIMING = ("grant_timeout", "round_wait", "round_period", "handoff_window")
 
 
 class EnvError(ConfigurationError):

@@ -13,7 +13,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ..core.messages import DemandEntry, Request
@@ -34,6 +34,8 @@ class Permit:
     group: str | None
     source: Literal["grant", "lease"]
     source_id: str  # grant_id or lease_id
+    since: float = 0.0
+    """When the permit was claimed or drawn; a handoff keeps it (see pass_on)."""
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,21 @@ class SemaphoreClient:
 
     def __init__(self, semaphore: str, *, client_id: str, supports_leases: bool = True,
                  claim_margin: float = 1.0, request_timeout: float = 5.0,
+                 handoff_window: float = 0.0,
                  clock: Callable[[], float] = time.time) -> None:
         if not isinstance(semaphore, str) or not semaphore:
             raise CallerError("semaphore must be a non-empty string")
         if not isinstance(client_id, str) or not client_id:
             raise CallerError("client_id must be a non-empty string")
-        if claim_margin < 0 or request_timeout <= 0:
-            raise CallerError("claim_margin must be >= 0 and request_timeout > 0")
+        if claim_margin < 0 or request_timeout <= 0 or handoff_window < 0:
+            raise CallerError("claim_margin and handoff_window must be >= 0 and "
+                              "request_timeout > 0")
         self.semaphore = semaphore
         self.client_id = client_id
         self.supports_leases = supports_leases
         self.claim_margin = float(claim_margin)
         self.request_timeout = float(request_timeout)
+        self.handoff_window = float(handoff_window)
         self._clock = clock
         self._stopped = False
         self._seq = itertools.count()
@@ -139,14 +144,55 @@ class SemaphoreClient:
         if leases:
             lease = min(leases, key=lambda le: le.expires_at)
             lease.drawn += 1  # one-shot: releasing never makes it drawable again
-            return Permit(item.item_id, item.key, item.group, "lease", lease.lease_id)
+            return Permit(item.item_id, item.key, item.group, "lease", lease.lease_id, now)
         grants = [g for g in ledger.grants.values()
                   if g.group == item.group and g.claimable(now, self.claim_margin)]
         if grants:
             grant = min(grants, key=lambda g: g.claim_deadline)
             grant.claimed += 1
-            return Permit(item.item_id, item.key, item.group, "grant", grant.grant_id)
+            return Permit(item.item_id, item.key, item.group, "grant", grant.grant_id, now)
         return None
+
+    def pass_on(self, item_id: str) -> Permit | None:
+        """The admitted item ended: its permit goes to the next queued item, or is released.
+
+        The successor is the oldest queued item of the same key and group, and it
+        runs under the same claim or draw: the holder's count does not move, so
+        the limit holds exactly as if the first item were still running. A
+        permit is passed on only within `handoff_window` of when it was claimed
+        or drawn; after that it is released and comes back to the holder, whose
+        next round gives it to the oldest demand of any client. That window is
+        how long another client's older work can wait behind this client's
+        younger work. Returns the successor's permit, None if released (or unknown).
+        """
+        permit = self._admitted.get(item_id)
+        if permit is None:
+            return None
+        successor = self._successor(permit, self._clock())
+        if successor is None:
+            self.release(item_id)
+            return None
+        del self._admitted[item_id]
+        self.cancel(successor)
+        passed = replace(permit, item_id=successor)
+        self._admitted[successor] = passed
+        return passed
+
+    def _successor(self, permit: Permit, now: float) -> str | None:
+        if self._stopped or now - permit.since >= self.handoff_window:
+            return None
+        queue = self._queues.get(permit.key, {}).get(permit.group)
+        ledger = self._ledgers.get(permit.key)
+        if not queue or ledger is None:
+            return None
+        if permit.source == "lease":
+            lease = ledger.leases.get(permit.source_id)
+            # A retired or expired lease draws no more; its running items finish.
+            if lease is None or lease.stopped or now >= lease.expires_at:
+                return None
+        elif permit.source_id not in ledger.grants:
+            return None
+        return queue[0][2]
 
     def release(self, item_id: str) -> bool:
         """The admitted item ended; False if unknown or already released."""

@@ -20,7 +20,8 @@ def _positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
-def _seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
+def validate_seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
+    """A duration: finite, at least `minimum`, at most a year (else ConfigurationError)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigurationError(f"{name} must be a number of seconds, got {type(value).__name__}")
     seconds = float(value)
@@ -65,7 +66,7 @@ class Over:
         if self.extra is not None:
             _positive_int("Over.extra", self.extra, minimum=0)
         if self.ratio is not None:
-            ratio = _seconds("Over.ratio", self.ratio)
+            ratio = validate_seconds("Over.ratio", self.ratio)
             if ratio > 100:
                 raise ConfigurationError(f"Over.ratio must be between 0 and 100, got {self.ratio}")
 
@@ -96,7 +97,7 @@ class Leases:
                 "Leases.provisioning must be Strict(), Under(...) or Over(...)"
             )
         _positive_int("Leases.permits_per_lease", self.permits_per_lease)
-        _seconds("Leases.ttl", self.ttl, minimum=1.0)
+        validate_seconds("Leases.ttl", self.ttl, minimum=1.0)
         if self.limited_groups not in ("exclude", "within_group_limit"):
             raise ConfigurationError(
                 "Leases.limited_groups must be 'exclude' or 'within_group_limit', "
@@ -119,9 +120,9 @@ class RoundConfig:
             raise ConfigurationError(
                 "semaphore name must be a non-empty string of at most 200 chars"
             )
-        _seconds("grant_timeout", self.grant_timeout, minimum=0.001)
-        _seconds("round_wait", self.round_wait)
-        _seconds("round_period", self.round_period)
+        validate_seconds("grant_timeout", self.grant_timeout, minimum=0.001)
+        validate_seconds("round_wait", self.round_wait)
+        validate_seconds("round_period", self.round_period)
         if self.leases is not None and not isinstance(self.leases, Leases):
             raise ConfigurationError("leases must be None or a Leases(...) instance")
 

@@ -2,8 +2,10 @@
 # main process, unacked and outside the pool, until a SemaphoreClient gives them
 # a permit; then they go to the pool, and their ending releases the permit.
 # Rules: a permit is taken only while the pool has a free slot (never spent
-# waiting); each admitted task releases exactly once (by item, idempotent);
-# one lock serializes every SemaphoreClient call, since pool threads release.
+# waiting); each admitted task ends exactly once (by item, idempotent), and its
+# permit is then released or passed on to the next held task of its key and
+# group (SemaphoreClient.pass_on); one lock serializes every SemaphoreClient
+# call, since pool threads release.
 from __future__ import annotations
 
 import itertools
@@ -82,9 +84,14 @@ class GateState:
     """Admitted, unreleased item -> semaphore name."""
     in_flight: dict[tuple[str, str], _InFlight] = field(default_factory=dict)
     raised: int = 0
-    admitted_from: dict[str, int] = field(default_factory=lambda: {"lease": 0, "grant": 0})
-    """Permits this worker has used, by source: drawn from a lease, claimed from a grant."""
+    admitted_from: dict[str, int] = field(
+        default_factory=lambda: {"lease": 0, "grant": 0, "handoff": 0})
+    """Admissions by how they got a permit: drawn from a lease, claimed from a grant, or
+    passed on from a task of the same key and group that ended."""
     released: int = 0
+    """Admitted tasks that ended (their permit released or passed on)."""
+    passed: list[tuple[str, Permit]] = field(default_factory=list)
+    """Permits passed on by an ending task, to start at the next pump."""
 
 
 def item_id(request: Any) -> str:
@@ -196,6 +203,7 @@ class Gate:
             now = self.clock()
             self._hand_back_overdue(now)
             self._drop_revoked()
+            self._start_passed()
             self._admit()
             return self._collect_due(now)
 
@@ -229,6 +237,11 @@ class Gate:
             self.hooks.qos_decrement()
         return entry
 
+    def _start_passed(self) -> None:
+        passed, self.state.passed = self.state.passed, []
+        for semaphore, permit in passed:
+            self._start(semaphore, permit, passed=True)
+
     def _admit(self) -> None:
         if not self.state.held:
             return
@@ -242,7 +255,7 @@ class Gate:
             for permit in self.clients[name].admit(limit=free):
                 free -= self._start(name, permit)
 
-    def _start(self, semaphore: str, permit: Permit) -> int:
+    def _start(self, semaphore: str, permit: Permit, *, passed: bool = False) -> int:
         entry = self.state.held.get(permit.item_id)
         if entry is None:  # cannot happen: every queued item is held
             self.clients[semaphore].release(permit.item_id)
@@ -253,10 +266,11 @@ class Gate:
             self.hooks.qos_decrement()
         request = entry.request
         if request.revoked():
-            self.clients[semaphore].release(permit.item_id)
-            return 0
+            # Never ran: its permit goes on to the next held task, as if it had ended.
+            successor = self.clients[semaphore].pass_on(permit.item_id)
+            return self._start(semaphore, successor, passed=True) if successor else 0
         self.state.running[permit.item_id] = semaphore
-        self.state.admitted_from[permit.source] += 1
+        self.state.admitted_from["handoff" if passed else permit.source] += 1
         instrument(request, permit.item_id, self.release)
         self.hooks.handoff(request)
         return 1
@@ -270,7 +284,10 @@ class Gate:
             if semaphore is None:
                 return
             self.state.released += 1
-            self.clients[semaphore].release(item)
+            successor = self.clients[semaphore].pass_on(item)
+            if successor is not None:
+                # Started by the pump, on the event loop, like every admission.
+                self.state.passed.append((semaphore, successor))
         self.hooks.wake()
 
     # -- the holder ------------------------------------------------------------
@@ -323,6 +340,10 @@ class Gate:
                 worker_state.reserved_requests.discard(entry.request)
             self.state.held.clear()
             self.state.raised = 0
+            # Permits passed on to held messages that are now gone go back to the holder.
+            for semaphore, permit in self.state.passed:
+                self.clients[semaphore].release(permit.item_id)
+            self.state.passed.clear()
             # in_flight stays: replies still arrive on the reply queue, which the
             # restarted step (or the final report) consumes again.
             return count

@@ -64,7 +64,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                                   supports_leases=settings.supports_leases,
                                   claim_margin=settings.claim_margin_for(
                                       self.durability.semaphores[name].config.grant_timeout),
-                                  request_timeout=settings.request_timeout)
+                                  request_timeout=settings.request_timeout,
+                                  handoff_window=self.durability.semaphores[name].handoff_window)
             for name in self.durability.semaphores
         }
         self.reply_queue = reply_queue_declaration(

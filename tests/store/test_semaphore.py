@@ -35,6 +35,8 @@ T0 = 1_764_450_000.0
         ({"round_wait": -1}, "round_wait"),
         ({"round_period": float("nan")}, "round_period"),
         ({"grant_timeout": 0}, "grant_timeout"),
+        ({"handoff_window": -1}, "handoff_window"),
+        ({"handoff_window": "60"}, "handoff_window"),
         ({"leases": {"permits_per_lease": 4}}, "leases"),
         ({"database": 42}, "database"),
         ({"database": "mysql://localhost/x"}, "database"),

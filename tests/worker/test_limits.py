@@ -56,7 +56,8 @@ def test_limits_hold_across_workers(cluster_factory: Callable[..., Cluster], cas
     sources = [r["admitted_from"] for n, r in cluster.inspect_held().items() if "client" in n]
     drawn = sum(s["lease"] for s in sources)
     claimed = sum(s["grant"] for s in sources)
-    assert drawn + claimed == len(ids)
+    passed = sum(s["handoff"] for s in sources)
+    assert drawn + claimed + passed == len(ids)
     if leases is None:
         assert drawn == 0
     else:

@@ -1,0 +1,144 @@
+# Passing a finished item's permit on to the next queued item of the same key
+# and group (SemaphoreClient.pass_on): who gets it, what the holder hears (the
+# same claim or draw, nothing new), and every case where the permit must go
+# back to the holder instead. Pure: a fake clock and hand-built replies.
+from __future__ import annotations
+
+import pytest
+
+from durability_celery.client import SemaphoreClient
+from durability_celery.errors import CallerError
+
+from .helpers import (
+    KEY,
+    FakeClock,
+    demand,
+    grant,
+    grant_reports,
+    lease,
+    lease_reports,
+    make_client,
+    reply,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def granted(clock: FakeClock, *, window: float = 60.0, permits: int = 1,
+            items: tuple[tuple[str | None, str, float], ...] = ()) -> SemaphoreClient:
+    """A client holding `permits` claimed grant permits (group None), then `items` queued."""
+    client = make_client(clock, handoff_window=window)
+    for i in range(permits):
+        client.enqueue(KEY, None, f"run-{i}", enqueued_at=1.0 + i / 10)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=permits, claim_deadline=clock.now + 10)]))
+    assert len(client.admit()) == permits
+    for group, item, at in items:
+        client.enqueue(KEY, group, item, enqueued_at=at)
+    return client
+
+
+def test_the_permit_goes_to_the_oldest_queued_item_of_its_group_and_the_claim_stays() -> None:
+    clock = FakeClock()
+    client = granted(clock, items=((None, "young", 9.0), (None, "old", 5.0), ("other", "x", 1.0)))
+    clock.advance(1.0)
+    passed = client.pass_on("run-0")
+    assert passed is not None
+    assert (passed.item_id, passed.source, passed.source_id) == ("old", "grant", "g1")
+    assert passed.since == 1000.0, "the permit keeps the time it was claimed"
+    assert client.permit("run-0") is None and client.permit("old") == passed
+    assert client.held() == {KEY: {None: 1, "other": 1}}
+    message = client.message(KEY)
+    assert grant_reports(message) == {"g1": (1, 0)}, "the holder hears no new claim or release"
+    assert demand(message) == {None: (1, 9.0), "other": (1, 1.0)}
+    assert client.pass_on("run-0") is None, "an item ends once"
+    assert not client.release("run-0")
+
+
+def test_with_nothing_queued_in_its_key_and_group_the_permit_is_released() -> None:
+    clock = FakeClock()
+    client = granted(clock, items=(("other", "x", 1.0),))
+    client.enqueue("acct-2", None, "elsewhere", enqueued_at=1.0)
+    assert client.pass_on("run-0") is None
+    assert client.permit("run-0") is None
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+    assert client.held() == {KEY: {"other": 1}, "acct-2": {None: 1}}
+
+
+def test_a_chain_ends_handoff_window_after_the_claim() -> None:
+    clock = FakeClock()
+    client = granted(clock, window=30.0,
+                     items=tuple((None, f"q{i}", 10.0 + i) for i in range(3)))
+    clock.advance(20.0)
+    first = client.pass_on("run-0")
+    assert first is not None and first.item_id == "q0"
+    clock.advance(9.9)
+    second = client.pass_on("q0")
+    assert second is not None and second.item_id == "q1" and second.since == 1000.0
+    clock.advance(0.1)  # 30 s since the claim: the chain ends
+    assert client.pass_on("q1") is None
+    assert client.held() == {KEY: {None: 1}}
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_window_zero_is_the_specs_one_shot_permit() -> None:
+    clock = FakeClock()
+    client = granted(clock, window=0.0, items=((None, "q", 5.0),))
+    assert client.pass_on("run-0") is None
+    assert client.held() == {KEY: {None: 1}}
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_a_stopping_client_passes_nothing_on() -> None:
+    clock = FakeClock()
+    client = granted(clock, items=((None, "q", 5.0),))
+    client.stop()
+    assert client.pass_on("run-0") is None
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_a_lease_permit_passes_on_while_the_lease_lives_and_not_once_retired() -> None:
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0)
+    for i in range(4):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=1.0 + i)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=2, expires_at=clock.now + 600)]))
+    assert [p.item_id for p in client.admit()] == ["t0", "t1"]
+    passed = client.pass_on("t0")
+    assert passed is not None and (passed.item_id, passed.source_id) == ("t2", "L1")
+    assert lease_reports(client.message(KEY)) == {"L1": (2, 0, False)}, "no second draw"
+    # The holder retires the lease (a lowered limit): it draws no more, passes nothing on.
+    clock.advance(1.0)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=2, drawn=2, expires_at=clock.now + 600, status="retired")]))
+    assert client.pass_on("t1") is None
+    assert client.pass_on("t2") is None
+    assert client.held() == {KEY: {None: 1}}
+    assert lease_reports(client.message(KEY)) == {"L1": (2, 2, True)}
+
+
+def test_a_lease_past_its_local_expiry_passes_nothing_on() -> None:
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=3600.0)
+    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=1, expires_at=clock.now + 30)]))
+    [permit] = client.admit()
+    client.enqueue(KEY, None, "t1", enqueued_at=2.0)
+    clock.advance(30.0)
+    assert client.pass_on(permit.item_id) is None
+    assert client.held() == {KEY: {None: 1}}
+
+
+def test_unknown_items_pass_nothing_and_bad_windows_are_refused() -> None:
+    clock = FakeClock()
+    client = granted(clock, items=((None, "q", 5.0),))
+    assert client.pass_on("never-admitted") is None
+    assert client.pass_on("q") is None, "a queued item holds no permit to pass on"
+    assert client.held() == {KEY: {None: 1}}
+    with pytest.raises(CallerError):
+        make_client(clock, handoff_window=-1.0)
