@@ -36,6 +36,8 @@ class Permit:
     source_id: str  # grant_id or lease_id
     since: float = 0.0
     """When the permit was claimed or drawn; a handoff keeps it (see pass_on)."""
+    handed_off: bool = False
+    """The permit came from an item that ended, not from a new claim or draw."""
 
 
 @dataclass(frozen=True)
@@ -56,21 +58,22 @@ class SemaphoreClient:
 
     def __init__(self, semaphore: str, *, client_id: str, supports_leases: bool = True,
                  claim_margin: float = 1.0, request_timeout: float = 5.0,
-                 handoff_window: float = 0.0,
+                 handoff_window: float = 0.0, handoff_linger: float = 0.0,
                  clock: Callable[[], float] = time.time) -> None:
         if not isinstance(semaphore, str) or not semaphore:
             raise CallerError("semaphore must be a non-empty string")
         if not isinstance(client_id, str) or not client_id:
             raise CallerError("client_id must be a non-empty string")
-        if claim_margin < 0 or request_timeout <= 0 or handoff_window < 0:
-            raise CallerError("claim_margin and handoff_window must be >= 0 and "
-                              "request_timeout > 0")
+        if min(claim_margin, handoff_window, handoff_linger) < 0 or request_timeout <= 0:
+            raise CallerError("claim_margin, handoff_window and handoff_linger must be >= 0 "
+                              "and request_timeout > 0")
         self.semaphore = semaphore
         self.client_id = client_id
         self.supports_leases = supports_leases
         self.claim_margin = float(claim_margin)
         self.request_timeout = float(request_timeout)
         self.handoff_window = float(handoff_window)
+        self.handoff_linger = float(handoff_linger)
         self._clock = clock
         self._stopped = False
         self._seq = itertools.count()
@@ -79,6 +82,9 @@ class SemaphoreClient:
         self._queues: dict[str, dict[str | None, list[Order]]] = {}
         """key -> group -> queued items, oldest first."""
         self._admitted: dict[str, Permit] = {}
+        self._idle: dict[tuple[str, str | None], list[tuple[float, Permit]]] = {}
+        """(key, group) -> permits whose item ended with nothing queued to pass them to,
+        kept until a local time for the next item of that key and group (see pass_on)."""
 
     # -- the client queue ----------------------------------------------------
 
@@ -133,11 +139,18 @@ class SemaphoreClient:
                             if g.group == group)
             available += sum(le.drawable(now) for le in ledger.leases.values()
                              if le.group == group)
+            available += len(self._idle.get((key, group), ()))
             if available:
                 heads.append(list(queue[:available]))
         return heapq.merge(*heads)
 
     def _take(self, item: _Queued, now: float) -> Permit | None:
+        idle = self._idle.get((item.key, item.group))
+        if idle:
+            _, permit = idle.pop(0)  # expiry order: the one closest to going back first
+            if not idle:
+                del self._idle[(item.key, item.group)]
+            return replace(permit, item_id=item.item_id, handed_off=True)
         ledger = self._ledgers[item.key]
         leases = [le for le in ledger.leases.values()
                   if le.group == item.group and le.drawable(now)]
@@ -168,37 +181,66 @@ class SemaphoreClient:
         permit = self._admitted.get(item_id)
         if permit is None:
             return None
-        successor = self._successor(permit, self._clock())
-        if successor is None:
+        now = self._clock()
+        if not self._may_pass_on(permit, now):
             self.release(item_id)
             return None
         del self._admitted[item_id]
+        queue = self._queues.get(permit.key, {}).get(permit.group)
+        if not queue:
+            # Nothing queued yet: the next item of this key and group often arrives
+            # within moments (its producer is waiting on the one that just ended), and
+            # a released permit would come back no sooner than the next round anyway.
+            # This holds when others wait too: a worker whose pool is full fetches the
+            # next message only as a task ends, moments after its permit came free.
+            until = min(now + self.handoff_linger, permit.since + self.handoff_window)
+            if until > now:
+                self._idle.setdefault((permit.key, permit.group), []).append((until, permit))
+                self._idle[(permit.key, permit.group)].sort(key=lambda idle: idle[0])
+            else:
+                self._give_back(permit)
+            return None
+        successor = queue[0][2]
         self.cancel(successor)
-        passed = replace(permit, item_id=successor)
+        passed = replace(permit, item_id=successor, handed_off=True)
         self._admitted[successor] = passed
         return passed
 
-    def _successor(self, permit: Permit, now: float) -> str | None:
+    def _may_pass_on(self, permit: Permit, now: float) -> bool:
         if self._stopped or now - permit.since >= self.handoff_window:
-            return None
-        queue = self._queues.get(permit.key, {}).get(permit.group)
+            return False
         ledger = self._ledgers.get(permit.key)
-        if not queue or ledger is None:
-            return None
+        if ledger is None:
+            return False
         if permit.source == "lease":
             lease = ledger.leases.get(permit.source_id)
             # A retired or expired lease draws no more; its running items finish.
-            if lease is None or lease.stopped or now >= lease.expires_at:
-                return None
-        elif permit.source_id not in ledger.grants:
-            return None
-        return queue[0][2]
+            return lease is not None and not lease.stopped and now < lease.expires_at
+        return permit.source_id in ledger.grants
+
+    def _release_idle(self, now: float) -> None:
+        """Idle permits past their time, or that may no longer pass on, go back to the holder."""
+        for slot in list(self._idle):
+            keep = []
+            for until, permit in self._idle[slot]:
+                if now < until and self._may_pass_on(permit, now):
+                    keep.append((until, permit))
+                else:
+                    self._give_back(permit)
+            if keep:
+                self._idle[slot] = keep
+            else:
+                del self._idle[slot]
 
     def release(self, item_id: str) -> bool:
         """The admitted item ended; False if unknown or already released."""
         permit = self._admitted.pop(item_id, None)
         if permit is None:
             return False
+        self._give_back(permit)
+        return True
+
+    def _give_back(self, permit: Permit) -> None:
         ledger = self._ledgers.get(permit.key)
         copy: GrantCopy | LeaseCopy | None = None
         if ledger is not None:
@@ -206,7 +248,6 @@ class SemaphoreClient:
                 permit.source_id)
         if copy is not None:  # a grant the holder no longer knows has nothing to report
             copy.released += 1
-        return True
 
     # -- talking to the holder -----------------------------------------------
 
@@ -223,6 +264,7 @@ class SemaphoreClient:
         """Earliest time due() may become non-empty (for timers); None: nothing pending."""
         now = self._clock()
         times = [at for _, at in self._due_times(now) if at is not None]
+        times += [idle[0][0] for idle in self._idle.values()]  # going back is a report
         return min(times) if times else None
 
     def _due_times(self, now: float) -> Iterator[tuple[str, float | None]]:
@@ -243,6 +285,7 @@ class SemaphoreClient:
             held = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
                        if g.group == group)
             held += sum(le.drawable(now) for le in ledger.leases.values() if le.group == group)
+            held += len(self._idle.get((key, group), ()))
             if len(queue) > held:
                 # The oldest item the held permits will not cover is the demand's age.
                 entries.append(DemandEntry(group, len(queue) - held, queue[held][0]))
@@ -290,6 +333,7 @@ class SemaphoreClient:
     def stop(self) -> None:
         """Shutdown: stop every lease (reported stopped=true); admit nothing more."""
         self._stopped = True
+        self._release_idle(self._clock())
         for ledger in self._ledgers.values():
             for lease in ledger.leases.values():
                 lease.stop()
@@ -352,6 +396,7 @@ class SemaphoreClient:
                 yield key, group, queue
 
     def _sweep(self, now: float) -> None:
+        self._release_idle(now)
         for key in list(self._ledgers):
             ledger = self._ledgers[key]
             ledger.sweep(now, self.claim_margin, stopped=self._stopped)

@@ -240,7 +240,7 @@ class Gate:
     def _start_passed(self) -> None:
         passed, self.state.passed = self.state.passed, []
         for semaphore, permit in passed:
-            self._start(semaphore, permit, passed=True)
+            self._start(semaphore, permit)
 
     def _admit(self) -> None:
         if not self.state.held:
@@ -255,7 +255,7 @@ class Gate:
             for permit in self.clients[name].admit(limit=free):
                 free -= self._start(name, permit)
 
-    def _start(self, semaphore: str, permit: Permit, *, passed: bool = False) -> int:
+    def _start(self, semaphore: str, permit: Permit) -> int:
         entry = self.state.held.get(permit.item_id)
         if entry is None:  # cannot happen: every queued item is held
             self.clients[semaphore].release(permit.item_id)
@@ -268,9 +268,9 @@ class Gate:
         if request.revoked():
             # Never ran: its permit goes on to the next held task, as if it had ended.
             successor = self.clients[semaphore].pass_on(permit.item_id)
-            return self._start(semaphore, successor, passed=True) if successor else 0
+            return self._start(semaphore, successor) if successor else 0
         self.state.running[permit.item_id] = semaphore
-        self.state.admitted_from["handoff" if passed else permit.source] += 1
+        self.state.admitted_from["handoff" if permit.handed_off else permit.source] += 1
         instrument(request, permit.item_id, self.release)
         self.hooks.handoff(request)
         return 1

@@ -18,6 +18,7 @@ from ..app import Durability
 from ..client import SemaphoreClient
 from ..holder.queues import reply_queue_declaration, safe_queue_part
 from ..routing import reply_queue
+from ..semaphore import DurabilitySemaphore
 from .gate import Gate, Hooks, Outgoing
 from .visibility import log_summary
 
@@ -60,13 +61,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.client_id = f"{c.hostname}/{secrets.token_hex(6)}"
         self.c = c
         self.clients = {
-            name: SemaphoreClient(name, client_id=self.client_id,
-                                  supports_leases=settings.supports_leases,
-                                  claim_margin=settings.claim_margin_for(
-                                      self.durability.semaphores[name].config.grant_timeout),
-                                  request_timeout=settings.request_timeout,
-                                  handoff_window=self.durability.semaphores[name].handoff_window)
-            for name in self.durability.semaphores
+            name: self._client(name, semaphore) for name, semaphore
+            in self.durability.semaphores.items()
         }
         self.reply_queue = reply_queue_declaration(
             reply_queue(settings.queue_prefix, safe_queue_part(self.client_id)),
@@ -85,6 +81,18 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         from .install import register_step  # install imports this module
 
         register_step(self)
+
+    def _client(self, name: str, semaphore: DurabilitySemaphore) -> SemaphoreClient:
+        settings, config = self.durability.settings, semaphore.config
+        # A permit whose task ended with nothing queued waits up to round_wait for the
+        # next task of its key and group: given back, it would reach another worker
+        # no sooner than a round, which waits round_wait for its batch anyway.
+        return SemaphoreClient(name, client_id=self.client_id,
+                               supports_leases=settings.supports_leases,
+                               claim_margin=settings.claim_margin_for(config.grant_timeout),
+                               request_timeout=settings.request_timeout,
+                               handoff_window=semaphore.handoff_window,
+                               handoff_linger=config.round_wait)
 
     def _hooks(self, c: Any) -> Hooks:
         real_on_task_request = c.on_task_request

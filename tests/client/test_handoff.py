@@ -24,10 +24,10 @@ from .helpers import (
 pytestmark = pytest.mark.timeout(30)
 
 
-def granted(clock: FakeClock, *, window: float = 60.0, permits: int = 1,
+def granted(clock: FakeClock, *, window: float = 60.0, linger: float = 0.0, permits: int = 1,
             items: tuple[tuple[str | None, str, float], ...] = ()) -> SemaphoreClient:
     """A client holding `permits` claimed grant permits (group None), then `items` queued."""
-    client = make_client(clock, handoff_window=window)
+    client = make_client(clock, handoff_window=window, handoff_linger=linger)
     for i in range(permits):
         client.enqueue(KEY, None, f"run-{i}", enqueued_at=1.0 + i / 10)
     client.message(KEY)
@@ -46,6 +46,7 @@ def test_the_permit_goes_to_the_oldest_queued_item_of_its_group_and_the_claim_st
     passed = client.pass_on("run-0")
     assert passed is not None
     assert (passed.item_id, passed.source, passed.source_id) == ("old", "grant", "g1")
+    assert passed.handed_off
     assert passed.since == 1000.0, "the permit keeps the time it was claimed"
     assert client.permit("run-0") is None and client.permit("old") == passed
     assert client.held() == {KEY: {None: 1, "other": 1}}
@@ -142,3 +143,71 @@ def test_unknown_items_pass_nothing_and_bad_windows_are_refused() -> None:
     assert client.held() == {KEY: {None: 1}}
     with pytest.raises(CallerError):
         make_client(clock, handoff_window=-1.0)
+
+
+def test_with_nothing_queued_the_permit_lingers_for_the_next_item_of_its_group() -> None:
+    clock = FakeClock()
+    client = granted(clock, linger=1.0, items=(("other", "x", 1.0),))
+    assert client.pass_on("run-0") is None
+    assert client.running() == {}
+    assert client.next_due_at() is not None and client.next_due_at() <= clock.now + 1.0
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 0)}, "still claimed, not released"
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
+    clock.advance(0.5)
+    client.enqueue(KEY, None, "next", enqueued_at=clock.now)
+    client.enqueue(KEY, None, "after", enqueued_at=clock.now + 0.1)
+    assert demand(client.message(KEY)) == {None: (1, clock.now + 0.1), "other": (1, 1.0)}
+    [permit] = client.admit()
+    assert (permit.item_id, permit.source_id, permit.handed_off) == ("next", "g1", True)
+    assert permit.since == 1000.0
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 0)}
+
+
+def test_a_lingering_permit_goes_back_when_its_time_is_up() -> None:
+    clock = FakeClock()
+    client = granted(clock, linger=1.0)
+    assert client.pass_on("run-0") is None
+    clock.advance(1.0)
+    client.due()  # the pump's tick
+    client.enqueue(KEY, None, "late", enqueued_at=clock.now)
+    assert client.admit() == []
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_a_permit_lingers_no_longer_than_its_handoff_window() -> None:
+    clock = FakeClock()
+    client = granted(clock, window=10.0, linger=5.0)
+    clock.advance(9.0)
+    assert client.pass_on("run-0") is None
+    clock.advance(0.9)
+    client.due()
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 0)}
+    clock.advance(0.1)  # 10 s since the claim, well before the 5 s linger would end
+    client.due()
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_stopping_gives_lingering_permits_back() -> None:
+    clock = FakeClock()
+    client = granted(clock, linger=30.0)
+    client.pass_on("run-0")
+    client.stop()
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_a_lingering_lease_permit_goes_back_when_a_contended_reply_stops_the_lease() -> None:
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0, handoff_linger=30.0)
+    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=2, expires_at=clock.now + 600)]))
+    [permit] = client.admit()
+    assert client.pass_on(permit.item_id) is None  # lingers: nothing queued
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 0, False)}
+    # Others wait and this worker has nothing queued in the group: the lease stops,
+    # and a stopped lease passes nothing on, so the lingering permit goes back too.
+    client.on_response(KEY, reply(clock.now, contended=True, leases=[
+        lease("L1", permits=2, drawn=1, expires_at=clock.now + 600)]))
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 1, True)}
