@@ -33,16 +33,17 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
         config = suite_config(database, SEMAPHORES, max_held=4 * plan.overhead_concurrency)
         with running(config, clients=1, pool=pool, concurrency=plan.overhead_concurrency,
                      log_dir=LOG_DIR, label=f"overhead-{pool}") as cluster:
-            # plain first and last: the reference is their mean, so a machine that
-            # slows down or speeds up during the run (it is shared) biases no variant
-            for variant in ("plain", "diy", "leases", "grants", "leases_fast", "grants_fast",
-                            "plain"):
-                row = measure.throughput(cluster, variant, tasks=plan.overhead_tasks,
-                                         cap=plan.overhead_cap)
-                row["pool"] = pool
-                rows.append(row)
-                _say(f"  overhead {pool:<8} {variant:<12} {row['per_s']:8.1f} tasks/s"
-                     f"{'  (capped)' if row['capped'] else ''}")
+            for keys in plan.overhead_keys:
+                # plain first and last: the reference is their mean, so a machine that
+                # slows down or speeds up during the run (it is shared) biases no variant
+                for variant in ("plain", "diy", "leases", "grants", "leases_oneshot",
+                                "grants_oneshot", "leases_fast", "grants_fast", "plain"):
+                    row = measure.throughput(cluster, variant, tasks=plan.overhead_tasks,
+                                             cap=plan.overhead_cap, keys=keys)
+                    row["pool"] = pool
+                    rows.append(row)
+                    _say(f"  overhead {pool:<8} {keys:>2} key(s) {variant:<15} "
+                         f"{row['per_s']:8.1f} tasks/s{'  (capped)' if row['capped'] else ''}")
     return rows
 
 

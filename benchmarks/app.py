@@ -39,6 +39,7 @@ def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
     semaphores = [
         DurabilitySemaphore(name, database=config["database"], limit=limit_of,
                             round_wait=spec["round_wait"], round_period=spec["round_period"],
+                            handoff_window=spec.get("handoff_window", 60.0),
                             leases=Leases() if spec["leases"] else None)
         for name, spec in config["semaphores"].items()
     ]

@@ -9,21 +9,27 @@ from typing import Any
 
 DEFAULT = {"round_wait": 1.0, "round_period": 2.0}  # the semaphore's defaults
 FAST = {"round_wait": 0.01, "round_period": 0.05}
+ONE_SHOT = {"handoff_window": 0.0}  # the spec's permits: every task's goes back to the holder
 SEMAPHORES: dict[str, dict[str, Any]] = {
     "grants": {**DEFAULT, "leases": False},
     "leases": {**DEFAULT, "leases": True},
+    "grants_oneshot": {**DEFAULT, **ONE_SHOT, "leases": False},
+    "leases_oneshot": {**DEFAULT, **ONE_SHOT, "leases": True},
     "grants_fast": {**FAST, "leases": False},
     "leases_fast": {**FAST, "leases": True},
 }
 LABELS = {
     "plain": "plain Celery (no admission)",
     "diy": "DIY Redis INCR/DECR + retry(countdown=1)",
-    "grants": "admitted, grants only, default rounds (1/2 s)",
-    "leases": "admitted, leases, default rounds (1/2 s)",
-    "grants_fast": "admitted, grants only, fast rounds (0.01/0.05 s)",
-    "leases_fast": "admitted, leases, fast rounds (0.01/0.05 s)",
+    "grants": "admitted, grants only, defaults (rounds 1/2 s, handoff 60 s)",
+    "leases": "admitted, leases, defaults (rounds 1/2 s, handoff 60 s)",
+    "grants_oneshot": "admitted, grants only, default rounds, one-shot permits (handoff 0)",
+    "leases_oneshot": "admitted, leases, default rounds, one-shot permits (handoff 0)",
+    "grants_fast": "admitted, grants only, fast rounds (0.01/0.05 s), handoff 60 s",
+    "leases_fast": "admitted, leases, fast rounds (0.01/0.05 s), handoff 60 s",
 }
-VARIANTS = ("plain", "diy", "grants", "leases", "grants_fast", "leases_fast")
+VARIANTS = ("plain", "diy", "grants", "leases", "grants_oneshot", "leases_oneshot",
+            "grants_fast", "leases_fast")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class Plan:
     overhead_cap: float
     overhead_pools: tuple[str, ...] = ("threads", "prefork")
     overhead_concurrency: int = 4
+    overhead_keys: tuple[int, ...] = (1, 16)
     works: tuple[float, ...] = (1.0, 0.1, 0.01)
     limits: tuple[int, ...] = (4, 20)
     busy_seconds: dict[float, float] = field(default_factory=dict)
@@ -54,10 +61,11 @@ class Plan:
 def make_plan(quick: bool) -> Plan:
     if quick:
         return Plan(quick=True, overhead_tasks=300, overhead_cap=4.0,
-                    overhead_pools=("threads",), works=(1.0, 0.01), limits=(20,),
+                    overhead_pools=("threads",), overhead_keys=(1,), works=(1.0, 0.01),
+                    limits=(20,),
                     busy_seconds={1.0: 3.0, 0.1: 1.5, 0.01: 1.5},
                     contention_variants=("plain", "diy", "leases", "leases_fast"),
                     latency_variants=("plain", "diy", "leases", "leases_fast", "grants_fast"),
                     latency_samples=15, scale_keys=500, scale_seconds=2.0)
-    return Plan(quick=False, overhead_tasks=1000, overhead_cap=12.0,
-                busy_seconds={1.0: 5.0, 0.1: 2.5, 0.01: 2.5})
+    return Plan(quick=False, overhead_tasks=2000, overhead_cap=12.0,
+                busy_seconds={1.0: 20.0, 0.1: 4.0, 0.01: 3.0})
