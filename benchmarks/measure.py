@@ -13,6 +13,7 @@ from typing import Any
 from benchmarks.cluster import Cluster
 
 FREE_LIMIT = 50  # per key: the pool, not the budget, is the bottleneck
+WARM_SECONDS = 5.0  # two default round periods and more: every worker's first rounds
 
 
 def _publish(cluster: Cluster, variant: str, run: str, account: str, limit: int,
@@ -114,10 +115,13 @@ def latency(cluster: Cluster, variant: str, *, samples: int, spacing: float) -> 
         _publish(cluster, variant, run + "-cold", account, 1000, 0.0, 1, producer)
         _settle(cluster, run + "-cold", 1, 30.0)
         cold = [(s - p) * 1000 for s, _, p in cluster.intervals(run + "-cold")]
-        # then a few more, so that every client worker (not only the one that took the
-        # cold task) has had its first round on this key before the measured samples
-        _publish(cluster, variant, run + "-warm", account, 1000, 0.0, 8, producer)
-        _settle(cluster, run + "-warm", 8, 30.0)
+        # then the same pattern unmeasured for WARM_SECONDS, so that every client worker
+        # (not only the one that took the cold task) has had its first rounds on this key
+        warm = int(WARM_SECONDS / spacing)
+        for _ in range(warm):
+            _publish(cluster, variant, run + "-warm", account, 1000, 0.0, 1, producer)
+            time.sleep(spacing)
+        _settle(cluster, run + "-warm", warm, 30.0)
         for _ in range(samples):
             _publish(cluster, variant, run, account, 1000, 0.0, 1, producer)
             time.sleep(spacing)

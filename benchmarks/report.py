@@ -92,8 +92,8 @@ def _utilization(results: dict[str, Any]) -> list[str]:
 
 def _latency(results: dict[str, Any]) -> list[str]:
     lines = ["3. Admission latency, publish to start, permits free (one task every 50 ms on a",
-             "   key whose limit never binds, after one cold task and 8 warm-up tasks on that",
-             "   key; cold = the first task's latency)", "",
+             "   key whose limit never binds, after one cold task and 5 s of the same pattern",
+             "   unmeasured on that key; cold = the first task's latency)", "",
              f"   {'variant':<68} {'n':>4} {'p50 ms':>8} {'p99 ms':>8} {'cold ms':>8}"]
     for r in results.get("latency", []):
         lines.append(f"   {LABELS[r['variant']]:<68} {r['samples']:>4} {r['p50_ms']:>8.1f} "

@@ -182,11 +182,11 @@ class SemaphoreClient:
         if permit is None:
             return None
         now = self._clock()
+        queue = self._queues.get(permit.key, {}).get(permit.group)
         if not self._may_pass_on(permit, now):
             self.release(item_id)
             return None
         del self._admitted[item_id]
-        queue = self._queues.get(permit.key, {}).get(permit.group)
         if not queue:
             # Nothing queued yet: the next item of this key and group often arrives
             # within moments (its producer is waiting on the one that just ended), and
@@ -213,9 +213,11 @@ class SemaphoreClient:
         if ledger is None:
             return False
         if permit.source == "lease":
+            # Retired or expired: the holder wants the capacity back; its running items
+            # just finish. A lease we stopped ourselves (others wait and nothing was
+            # queued here) gave back its undrawn permits; drawn ones go on like grants.
             lease = ledger.leases.get(permit.source_id)
-            # A retired or expired lease draws no more; its running items finish.
-            return lease is not None and not lease.stopped and now < lease.expires_at
+            return lease is not None and not lease.retired and now < lease.expires_at
         return permit.source_id in ledger.grants
 
     def _release_idle(self, now: float) -> None:

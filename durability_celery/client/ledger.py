@@ -105,6 +105,9 @@ class LeaseCopy:
     released: int = 0
     stopped: bool = False
     """Reported `stopped=true`: we stopped it, or the holder retired it."""
+    retired: bool = False
+    """The holder retired it (ttl, a lowered limit, an ineligible group): its drawn
+    permits end with their tasks, never passed on (see SemaphoreClient.pass_on)."""
     stop_acked: bool = False
     """A reply answered a message that carried `stopped=true` for it."""
     acked_drawn: int = 0
@@ -272,6 +275,7 @@ class KeyLedger:
         copy.acked_drawn = max(copy.acked_drawn, view.drawn)
         copy.acked_released = max(copy.acked_released, view.released)
         if view.status == "retired":
+            copy.retired = True
             copy.stop()  # draw no more; confirm what we drew until the holder settles it
 
     def _apply_late(self, view: LeaseView) -> None:

@@ -196,7 +196,7 @@ def test_stopping_gives_lingering_permits_back() -> None:
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
 
 
-def test_a_lingering_lease_permit_goes_back_when_a_contended_reply_stops_the_lease() -> None:
+def test_a_lingering_lease_permit_goes_back_when_the_holder_retires_the_lease() -> None:
     clock = FakeClock()
     client = make_client(clock, handoff_window=60.0, handoff_linger=30.0)
     client.enqueue(KEY, None, "t0", enqueued_at=1.0)
@@ -206,8 +206,31 @@ def test_a_lingering_lease_permit_goes_back_when_a_contended_reply_stops_the_lea
     [permit] = client.admit()
     assert client.pass_on(permit.item_id) is None  # lingers: nothing queued
     assert lease_reports(client.message(KEY)) == {"L1": (1, 0, False)}
-    # Others wait and this worker has nothing queued in the group: the lease stops,
-    # and a stopped lease passes nothing on, so the lingering permit goes back too.
+    # A lowered limit retires the lease: the holder wants the capacity back now.
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=2, drawn=1, expires_at=clock.now + 600, status="retired")]))
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 1, True)}
+
+
+def test_a_lease_stopped_for_idleness_still_passes_a_running_permit_to_a_queued_item() -> None:
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0, handoff_linger=30.0)
+    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=2, expires_at=clock.now + 600)]))
+    [permit] = client.admit()
+    # Others wait and nothing is queued here: the lease stops (its undrawn permit goes
+    # back); the running item's drawn permit may still move on.
     client.on_response(KEY, reply(clock.now, contended=True, leases=[
         lease("L1", permits=2, drawn=1, expires_at=clock.now + 600)]))
+    client.enqueue(KEY, None, "t1", enqueued_at=2.0)
+    passed = client.pass_on(permit.item_id)
+    assert passed is not None and (passed.item_id, passed.source_id) == ("t1", "L1")
+    assert client.admit() == [], "a stopped lease draws nothing new"
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 0, True)}
+    assert client.pass_on("t1") is None  # kept for up to the linger, like a grant's
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 0, True)}
+    clock.advance(30.0)
+    client.due()
     assert lease_reports(client.message(KEY)) == {"L1": (1, 1, True)}
