@@ -210,8 +210,8 @@ class SemaphoreClient:
         if self._stopped or now - permit.since >= self.handoff_window:
             return False
         ledger = self._ledgers.get(permit.key)
-        if ledger is None:
-            return False
+        if ledger is None or ledger.over_limit:
+            return False  # a lowered limit bites as running items end, not a window later
         if permit.source == "lease":
             # Retired or expired: the holder wants the capacity back; its running items
             # just finish. A lease we stopped ourselves (others wait and nothing was

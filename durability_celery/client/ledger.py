@@ -152,6 +152,7 @@ class KeyLedger:
     next_request_at: float = 0.0
     last_round_at: float = -math.inf
     contended: bool = False
+    over_limit: bool = False
     blocked: dict[str | None, Blocked] = field(default_factory=dict)
     in_flight: InFlight | None = None
     last_sent_at: float | None = None
@@ -204,6 +205,7 @@ class KeyLedger:
         if latest:
             self.last_round_at = reply.round_at
             self.contended = reply.contended
+            self.over_limit = reply.over_limit
             self.blocked = {b.group: b for b in reply.blocked}
             # Receipt time plus the holder's wait: a skewed holder clock cannot stall us.
             self.next_request_at = now + max(0.0, reply.next_request_at - reply.round_at)

@@ -52,6 +52,8 @@ class Reply:
     round_at: float
     next_request_at: float
     contended: bool
+    over_limit: bool = False
+    """The key (or a group of it) holds more than its ceiling: a limit was lowered."""
     grants: tuple[GrantView, ...] = ()
     leases: tuple[LeaseView, ...] = ()
     blocked: tuple[Blocked, ...] = ()
@@ -167,11 +169,15 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
     contended = raw.get("contended", False)
     if not isinstance(contended, bool):
         raise InvalidMessage("contended", "must be a boolean")
+    over_limit = raw.get("over_limit", False)  # absent from older holders: False
+    if not isinstance(over_limit, bool):
+        raise InvalidMessage("over_limit", "must be a boolean")
     round_at = _time(_get(raw, "round_at", ""), "round_at")
     return Reply(
         round_at=round_at,
         next_request_at=_time(raw.get("next_request_at", round_at), "next_request_at"),
         contended=contended,
+        over_limit=over_limit,
         grants=tuple(_grant(g, f"grants[{i}].") for i, g in enumerate(_list(raw, "grants"))),
         leases=tuple(_lease(le, f"leases[{i}].") for i, le in enumerate(_list(raw, "leases"))),
         blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),

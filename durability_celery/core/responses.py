@@ -84,11 +84,13 @@ def respond(
     *,
     config: RoundConfig,
     now: float,
+    over_limit: bool = False,
 ) -> dict[str, Any]:
     return {
         "v": VERSION, "semaphore": state.semaphore, "key": state.key,
         "round_at": now, "next_request_at": now + config.round_period,
         "contended": allocation.contended,
+        "over_limit": over_limit,
         "grants": _grants(request, index),
         "leases": _leases(request, index),
         "blocked": list(index.blocked.get(request.client_id, [])),

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import InvalidMessage
 from .allocate import Allocation, Demand, allocate
 from .clients import mark_seen
-from .config import RoundConfig
+from .config import Over, RoundConfig
 from .keystate import Blocked, KeyState, LimitSource, worst_reason
 from .ledger import Ledger
 from .limits import ResolvedLimits
@@ -113,6 +113,35 @@ def _blocked(allocation: Allocation) -> tuple[Blocked, ...]:
     )
 
 
+def _over_limit(ledger: Ledger, limits: ResolvedLimits, config: RoundConfig) -> bool:
+    """Whether the key, or a group of it, holds more than its ceiling allows right now.
+
+    Only after a limit was lowered (or a callback failed: that fails closed) can
+    this be true; clients then stop passing permits from task to task, so the
+    lowered limit bites as their running tasks end (SemaphoreClient.pass_on).
+    """
+    if limits.limit is None:
+        return True
+    ceiling = limits.limit
+    leases = config.leases
+    if leases is not None and isinstance(leases.provisioning, Over):
+        ceiling += leases.provisioning.extra_for(limits.limit)
+    per_group: dict[str | None, int] = {}
+    counted: list[tuple[str | None, int]] = [(g.group, g.footprint) for g in ledger.grants.values()]
+    counted += [(le.group, le.footprint) for le in ledger.leases.values()]
+    for group, footprint in counted:
+        per_group[group] = per_group.get(group, 0) + footprint
+    if sum(per_group.values()) > ceiling:
+        return True
+    for group, used in per_group.items():
+        if limits.group_failed(group):
+            return True
+        group_ceiling = limits.group_limit(group)
+        if group_ceiling is not None and used > group_ceiling:
+            return True
+    return False
+
+
 def run_round(
     state: KeyState,
     messages: Sequence[object],
@@ -148,9 +177,11 @@ def run_round(
     new_state = mark_seen(new_state, heard, now)
     index = ClientIndex(new_state, ledger, allocation,
                         config.leases.ttl if config.leases is not None else 0.0)
+    over = _over_limit(ledger, resolved, config)
     responses = tuple(
         error_response(request) if isinstance(request, InvalidMessage)
-        else respond(request, new_state, index, allocation, config=config, now=now)
+        else respond(request, new_state, index, allocation, config=config, now=now,
+                     over_limit=over)
         for request in checked
     )
     return RoundResult(new_state, responses)

@@ -234,3 +234,29 @@ def test_a_lease_stopped_for_idleness_still_passes_a_running_permit_to_a_queued_
     clock.advance(30.0)
     client.due()
     assert lease_reports(client.message(KEY)) == {"L1": (1, 1, True)}
+
+
+def test_over_limit_stops_handoffs_and_gives_back_lingering_permits() -> None:
+    clock = FakeClock()
+    client = granted(clock, linger=10.0, permits=2)
+    assert client.pass_on("run-1") is None  # nothing queued: kept
+    client.enqueue(KEY, None, "q1", enqueued_at=5.0)
+    passed = client.pass_on("run-0")
+    assert passed is not None and passed.item_id == "q1"
+    # A lowered limit: the holder says the key holds more than its ceiling.
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, over_limit=True, grants=[
+        grant("g1", permits=2, claimed=2, claim_deadline=clock.now + 10)]))
+    assert grant_reports(client.message(KEY)) == {"g1": (2, 1)}, "the idle one went back"
+    client.enqueue(KEY, None, "q2", enqueued_at=6.0)
+    assert client.admit() == []
+    assert client.pass_on("q1") is None
+    assert client.held() == {KEY: {None: 1}}
+    assert grant_reports(client.message(KEY)) == {"g1": (2, 2)}
+    # Back under the ceiling: permits pass on again (a new claim here).
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g2", permits=1, claim_deadline=clock.now + 10)]))
+    [permit] = client.admit()
+    client.enqueue(KEY, None, "q3", enqueued_at=7.0)
+    again = client.pass_on(permit.item_id)
+    assert again is not None and again.item_id == "q3"

@@ -168,6 +168,34 @@ def test_lowering_the_limit_never_revokes_running_work(make_semaphore: Any) -> N
     assert granted(r3) == 1
 
 
+def test_replies_say_over_limit_while_more_is_held_than_a_lowered_ceiling(
+        make_semaphore: Any) -> None:
+    """Clients pass permits between their tasks; `over_limit` tells them to stop, so a
+    lowered limit bites as running tasks end."""
+    limits = Limits(4, groups={"g": 3})
+    sem = make_semaphore(limits)
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 2, 1.0), ("g", 2, 1.0)])], now=T0)
+    assert reply["over_limit"] is False and granted(reply) == 4
+    gids = ids(reply)
+    claims = [(gid, 2, 0) for gid in gids]
+    limits.value = 3  # 4 held, ceiling 3
+    (r1,) = sem.run_round(KEY, [sync("a", grants=claims)], now=T0 + 1)
+    assert r1["over_limit"] is True
+    limits.value = 4  # at the ceiling is not over it
+    (r2,) = sem.run_round(KEY, [sync("a", grants=claims)], now=T0 + 2)
+    assert r2["over_limit"] is False
+    limits.groups["g"] = 1  # group g holds 2 of its new ceiling 1
+    (r3,) = sem.run_round(KEY, [sync("a", grants=claims)], now=T0 + 3)
+    assert r3["over_limit"] is True
+    limits.groups["g"] = RuntimeError("down")  # fails closed
+    (r4,) = sem.run_round(KEY, [sync("a", grants=claims)], now=T0 + 4)
+    assert r4["over_limit"] is True
+    limits.groups["g"] = None
+    limits.value = lambda key: 1 // 0  # the limit callback itself fails
+    (r5,) = sem.run_round(KEY, [sync("a", grants=claims)], now=T0 + 5)
+    assert r5["over_limit"] is True
+
+
 def test_reply_lists_every_live_grant_so_a_lost_reply_is_recovered(make_semaphore: Any) -> None:
     sem = make_semaphore(Limits(5))
     (lost,) = sem.run_round(KEY, [request("a", [(None, 2, 1.0)])], now=T0)

@@ -36,7 +36,7 @@ def test_limit_lowered_and_raised_mid_run(fault_cluster: Callable[..., FaultClus
     cluster = fault_cluster(limits={"live": 4}, grant_timeout=GRANT_TIMEOUT,
                             settings={"claim_margin": 0.5})
     cluster.start(clients=2, pool="threads", concurrency=3)
-    ids = cluster.publish(60, key="live", work=WORK)
+    ids = cluster.publish(100, key="live", work=WORK)
     cluster.wait_for("work under the first limit", lambda: len(cluster.ends()) >= 10,
                      timeout=30)
     lowered = time.time()
