@@ -76,8 +76,11 @@ def _install_sqlite_hooks(engine: Engine, busy_timeout: float) -> None:
     def on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        # The busy timeout first: switching a fresh file to WAL needs its lock too,
+        # and two holders starting at once race for it (seen once as "database is
+        # locked" in test_concurrent_migrations_both_succeed under load).
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.close()
 
     def on_begin(conn: Connection) -> None:

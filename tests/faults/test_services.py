@@ -15,7 +15,7 @@ from tests.faults.services import PrivatePostgres, PrivateRedis
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
-LIMITS = {"svc": 3}
+LIMITS = {"svc": 3, "svc-after": 3}
 DOWN = 3.0  # seconds the service stays down
 
 
@@ -57,18 +57,23 @@ def test_database_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
     cluster.wait_for("some tasks to end", lambda: ended(cluster) >= 8, timeout=30)
     private_postgres.stop("immediate")
     stopped_at = time.monotonic()
+    at_stop = ended(cluster)
     time.sleep(DOWN)
+    during = ended(cluster) - at_stop  # permits already held pass from task to task
     private_postgres.start()
     restarted = time.monotonic()
-    before = ended(cluster)
-    cluster.wait_for("work to resume after the restart", lambda: ended(cluster) > before + 2,
+    # A key no round has served yet: it runs only once the holder has its database back.
+    after = cluster.publish(6, key="svc-after", work=0.3)
+    cluster.wait_for("a new key to be served after the restart",
+                     lambda: len(set(after) & set(cluster.ends())) >= 3,
                      timeout=60, context=cluster.logs)
     resumed = time.monotonic() - restarted
+    ids += after
     outcome = check_invariants(cluster, ids, limits=LIMITS, timeout=90)
     holder = cluster.holders[0]
     assert "database unavailable" in holder.log(), "the outage was seen by the holder"
     assert all(p.popen.poll() is None for p in cluster.processes.procs), "every worker lives"
     report("database-restart", init_seconds=round(private_postgres.init_seconds, 1),
            down_seconds=round(restarted - stopped_at, 1), resumed_after=round(resumed, 1),
-           tasks=outcome.ran, max_running=outcome.max_running,
+           ended_while_down=during, tasks=outcome.ran, max_running=outcome.max_running,
            usage_zero_after=outcome.usage_zero_after)
