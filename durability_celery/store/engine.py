@@ -4,6 +4,8 @@
 # and any database failure leaves as InfrastructureError after a rollback.
 from __future__ import annotations
 
+import sqlite3
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +70,24 @@ def _in_memory(url: sa.URL) -> bool:
     return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
+def _switch_to_wal(cursor: Any, busy_timeout: float) -> None:
+    """PRAGMA journal_mode=WAL, retried while another connection holds the lock.
+
+    SQLite answers this pragma SQLITE_BUSY at once, without its busy handler,
+    when another connection is switching the same fresh file: two holders
+    starting together failed about one time in seven ("database is locked").
+    """
+    deadline = time.monotonic() + busy_timeout
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _install_sqlite_hooks(engine: Engine, busy_timeout: float) -> None:
     # Python's sqlite3 would BEGIN lazily (only before DML), so a round's reads
     # could run outside its transaction. We emit BEGIN ourselves instead, and
@@ -76,11 +96,8 @@ def _install_sqlite_hooks(engine: Engine, busy_timeout: float) -> None:
     def on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        # The busy timeout first: switching a fresh file to WAL needs its lock too,
-        # and two holders starting at once race for it (seen once as "database is
-        # locked" in test_concurrent_migrations_both_succeed under load).
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _switch_to_wal(cursor, busy_timeout)
         cursor.close()
 
     def on_begin(conn: Connection) -> None:
