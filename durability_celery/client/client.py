@@ -145,12 +145,20 @@ class SemaphoreClient:
         return heapq.merge(*heads)
 
     def _take(self, item: _Queued, now: float) -> Permit | None:
+        """A lease draw, else a grant claim (claimed early, never near its deadline), else a
+        permit kept idle since its item ended (it goes back to the holder if unused)."""
+        permit = self._draw_or_claim(item, now)
+        if permit is not None:
+            return permit
         idle = self._idle.get((item.key, item.group))
-        if idle:
-            _, permit = idle.pop(0)  # expiry order: the one closest to going back first
-            if not idle:
-                del self._idle[(item.key, item.group)]
-            return replace(permit, item_id=item.item_id, handed_off=True)
+        if not idle:
+            return None
+        _, kept = idle.pop(0)  # expiry order: the one closest to going back first
+        if not idle:
+            del self._idle[(item.key, item.group)]
+        return replace(kept, item_id=item.item_id, handed_off=True)
+
+    def _draw_or_claim(self, item: _Queued, now: float) -> Permit | None:
         ledger = self._ledgers[item.key]
         leases = [le for le in ledger.leases.values()
                   if le.group == item.group and le.drawable(now)]
@@ -183,7 +191,10 @@ class SemaphoreClient:
             return None
         now = self._clock()
         queue = self._queues.get(permit.key, {}).get(permit.group)
-        if not self._may_pass_on(permit, now):
+        if not self._may_pass_on(permit, now) or (queue and self._claimable(permit, now)):
+            # With a fresh grant permit at hand, the queued item claims that one now:
+            # left unclaimed behind a chain it would be claimed late, near its claim
+            # deadline, where one lost report lets the holder reclaim it while it runs.
             self.release(item_id)
             return None
         del self._admitted[item_id]
@@ -219,6 +230,11 @@ class SemaphoreClient:
             lease = ledger.leases.get(permit.source_id)
             return lease is not None and not lease.retired and now < lease.expires_at
         return permit.source_id in ledger.grants
+
+    def _claimable(self, permit: Permit, now: float) -> bool:
+        ledger = self._ledgers[permit.key]
+        return any(g.group == permit.group and g.claimable(now, self.claim_margin)
+                   for g in ledger.grants.values())
 
     def _release_idle(self, now: float) -> None:
         """Idle permits past their time, or that may no longer pass on, go back to the holder."""

@@ -260,3 +260,22 @@ def test_over_limit_stops_handoffs_and_gives_back_lingering_permits() -> None:
     client.enqueue(KEY, None, "q3", enqueued_at=7.0)
     again = client.pass_on(permit.item_id)
     assert again is not None and again.item_id == "q3"
+
+
+def test_a_fresh_grant_permit_is_claimed_before_a_permit_passes_on() -> None:
+    """Unclaimed behind a chain, a grant permit would be claimed late, near its claim
+    deadline, where one lost report lets the holder reclaim it while its task runs."""
+    clock = FakeClock()
+    client = granted(clock, linger=5.0, items=((None, "q1", 5.0), (None, "q2", 6.0)))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10),
+        grant("g2", permits=1, claim_deadline=clock.now + 10)]))
+    # A pool slot was busy: g2 is still unclaimed when run-0 ends.
+    assert client.pass_on("run-0") is None, "released: q1 claims g2 instead"
+    [fresh] = client.admit(limit=1)
+    assert (fresh.item_id, fresh.source_id, fresh.handed_off) == ("q1", "g2", False)
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1), "g2": (1, 0)}
+    # With no fresh permit left, the next ending passes its permit on as usual.
+    passed = client.pass_on("q1")
+    assert passed is not None and (passed.item_id, passed.source_id) == ("q2", "g2")
