@@ -134,15 +134,19 @@ class SemaphoreClient:
         """Queued items of groups that hold a permit, oldest first across those groups."""
         heads: list[list[Order]] = []
         for key, group, queue in self._each_queue():
-            ledger = self._ledgers[key]
-            available = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
-                            if g.group == group)
-            available += sum(le.drawable(now) for le in ledger.leases.values()
-                             if le.group == group)
-            available += len(self._idle.get((key, group), ()))
+            available = self._held_permits(key, group, now)
             if available:
                 heads.append(list(queue[:available]))
         return heapq.merge(*heads)
+
+    def _held_permits(self, key: str, group: str | None, now: float) -> int:
+        """Permits this client may start items of (key, group) on now, without the holder:
+        claimable grant permits, drawable lease permits and permits kept idle."""
+        ledger = self._ledgers[key]
+        held = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
+                   if g.group == group)
+        held += sum(le.drawable(now) for le in ledger.leases.values() if le.group == group)
+        return held + len(self._idle.get((key, group), ()))
 
     def _take(self, item: _Queued, now: float) -> Permit | None:
         """A lease draw, else a grant claim (claimed early, never near its deadline), else a
@@ -206,8 +210,8 @@ class SemaphoreClient:
             # next message only as a task ends, moments after its permit came free.
             until = min(now + self.handoff_linger, permit.since + self.handoff_window)
             if until > now:
-                self._idle.setdefault((permit.key, permit.group), []).append((until, permit))
-                self._idle[(permit.key, permit.group)].sort(key=lambda idle: idle[0])
+                bisect.insort(self._idle.setdefault((permit.key, permit.group), []),
+                              (until, permit), key=lambda idle: idle[0])
             else:
                 self._give_back(permit)
             return None
@@ -297,13 +301,9 @@ class SemaphoreClient:
         """Per group: queued items minus the claimable and drawable permits already held."""
         if self._stopped:
             return ()
-        ledger = self._ledgers[key]
         entries = []
         for group, queue in self._queues.get(key, {}).items():
-            held = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
-                       if g.group == group)
-            held += sum(le.drawable(now) for le in ledger.leases.values() if le.group == group)
-            held += len(self._idle.get((key, group), ()))
+            held = self._held_permits(key, group, now)
             if len(queue) > held:
                 # The oldest item the held permits will not cover is the demand's age.
                 entries.append(DemandEntry(group, len(queue) - held, queue[held][0]))

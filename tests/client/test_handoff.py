@@ -39,6 +39,19 @@ def granted(clock: FakeClock, *, window: float = 60.0, linger: float = 0.0, perm
     return client
 
 
+def leased(clock: FakeClock, *, permits: int = 2, running: int = 1, expires_in: float = 600.0,
+           window: float = 60.0, linger: float = 0.0) -> SemaphoreClient:
+    """A client that drew `running` permits (items t0, t1, ...) of lease L1 (`permits`)."""
+    client = make_client(clock, handoff_window=window, handoff_linger=linger)
+    for i in range(running):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=1.0 + i)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=permits, expires_at=clock.now + expires_in)]))
+    assert [p.item_id for p in client.admit()] == [f"t{i}" for i in range(running)]
+    return client
+
+
 def test_the_permit_goes_to_the_oldest_queued_item_of_its_group_and_the_claim_stays() -> None:
     clock = FakeClock()
     client = granted(clock, items=((None, "young", 9.0), (None, "old", 5.0), ("other", "x", 1.0)))
@@ -101,13 +114,9 @@ def test_a_stopping_client_passes_nothing_on() -> None:
 
 def test_a_lease_permit_passes_on_while_the_lease_lives_and_not_once_retired() -> None:
     clock = FakeClock()
-    client = make_client(clock, handoff_window=60.0)
-    for i in range(4):
-        client.enqueue(KEY, None, f"t{i}", enqueued_at=1.0 + i)
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, leases=[
-        lease("L1", permits=2, expires_at=clock.now + 600)]))
-    assert [p.item_id for p in client.admit()] == ["t0", "t1"]
+    client = leased(clock, running=2)
+    client.enqueue(KEY, None, "t2", enqueued_at=3.0)
+    client.enqueue(KEY, None, "t3", enqueued_at=4.0)
     passed = client.pass_on("t0")
     assert passed is not None and (passed.item_id, passed.source_id) == ("t2", "L1")
     assert lease_reports(client.message(KEY)) == {"L1": (2, 0, False)}, "no second draw"
@@ -123,15 +132,10 @@ def test_a_lease_permit_passes_on_while_the_lease_lives_and_not_once_retired() -
 
 def test_a_lease_past_its_local_expiry_passes_nothing_on() -> None:
     clock = FakeClock()
-    client = make_client(clock, handoff_window=3600.0)
-    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, leases=[
-        lease("L1", permits=1, expires_at=clock.now + 30)]))
-    [permit] = client.admit()
+    client = leased(clock, permits=1, expires_in=30.0, window=3600.0)
     client.enqueue(KEY, None, "t1", enqueued_at=2.0)
     clock.advance(30.0)
-    assert client.pass_on(permit.item_id) is None
+    assert client.pass_on("t0") is None
     assert client.held() == {KEY: {None: 1}}
 
 
@@ -198,13 +202,8 @@ def test_stopping_gives_lingering_permits_back() -> None:
 
 def test_a_lingering_lease_permit_goes_back_when_the_holder_retires_the_lease() -> None:
     clock = FakeClock()
-    client = make_client(clock, handoff_window=60.0, handoff_linger=30.0)
-    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, leases=[
-        lease("L1", permits=2, expires_at=clock.now + 600)]))
-    [permit] = client.admit()
-    assert client.pass_on(permit.item_id) is None  # lingers: nothing queued
+    client = leased(clock, linger=30.0)
+    assert client.pass_on("t0") is None  # lingers: nothing queued
     assert lease_reports(client.message(KEY)) == {"L1": (1, 0, False)}
     # A lowered limit retires the lease: the holder wants the capacity back now.
     client.on_response(KEY, reply(clock.now, leases=[
@@ -214,18 +213,13 @@ def test_a_lingering_lease_permit_goes_back_when_the_holder_retires_the_lease() 
 
 def test_a_lease_stopped_for_idleness_still_passes_a_running_permit_to_a_queued_item() -> None:
     clock = FakeClock()
-    client = make_client(clock, handoff_window=60.0, handoff_linger=30.0)
-    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, leases=[
-        lease("L1", permits=2, expires_at=clock.now + 600)]))
-    [permit] = client.admit()
+    client = leased(clock, linger=30.0)
     # Others wait and nothing is queued here: the lease stops (its undrawn permit goes
     # back); the running item's drawn permit may still move on.
     client.on_response(KEY, reply(clock.now, contended=True, leases=[
         lease("L1", permits=2, drawn=1, expires_at=clock.now + 600)]))
     client.enqueue(KEY, None, "t1", enqueued_at=2.0)
-    passed = client.pass_on(permit.item_id)
+    passed = client.pass_on("t0")
     assert passed is not None and (passed.item_id, passed.source_id) == ("t1", "L1")
     assert client.admit() == [], "a stopped lease draws nothing new"
     assert lease_reports(client.message(KEY)) == {"L1": (1, 0, True)}
