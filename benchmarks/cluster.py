@@ -59,12 +59,13 @@ def _spawn(config: dict[str, Any], args: list[str], log: Path) -> subprocess.Pop
                                 cwd=ROOT, start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes], *, grace: float = 15.0) -> None:
+    """SIGTERM the process group (a warm shutdown), SIGKILL it after `grace` seconds."""
     if proc.poll() is not None:
         return
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(15)
+        proc.wait(grace)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
@@ -120,6 +121,6 @@ def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs[1:] + procs[:1]:
-            _stop(proc)
+            stop_process(proc)
         for semaphore in cluster.durability.semaphores.values():
             semaphore.close()

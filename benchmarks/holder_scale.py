@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,7 @@ sys.path[:0] = [str(ROOT), str(APP_DIR)]
 # tests/holder is not a package: its app is loaded by name, as the holder subprocess does
 holder_app = importlib.import_module("holder_app")
 
+from benchmarks.cluster import stop_process  # noqa: E402
 from durability_celery.core.messages import DemandEntry, GrantReport, Request  # noqa: E402
 from durability_celery.holder.queues import (  # noqa: E402
     holder_queue_declaration,
@@ -315,13 +315,7 @@ def _holder(config: dict[str, Any], log: Path) -> Iterator[subprocess.Popen[byte
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        stop_process(proc, grace=20.0)
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
