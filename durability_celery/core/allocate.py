@@ -82,7 +82,8 @@ class _Room:
         return max(0, ceiling - self.group_used[group])
 
 
-def _room(ledger: Ledger, limit: int) -> _Room:
+def room_of(ledger: Ledger, limit: int) -> _Room:
+    """What the ledger's grants and leases hold, against `limit`, in all and per group."""
     group_used: dict[str | None, int] = defaultdict(int)
     for grant in ledger.grants.values():
         group_used[grant.group] += grant.footprint
@@ -123,7 +124,7 @@ def allocate(
             if d.entry.count:
                 result.unmet[d.pair] = (d.entry.count, "limit_resolution_error")
         return result
-    room = _room(ledger, limits.limit)
+    room = room_of(ledger, limits.limit)
     left = _grant(ordered, room, result, limits=limits, config=config, now=now, new_id=new_id)
     if config.leases is not None:
         leased = _lease(ordered, ledger, room, result, limits, config.leases, now, new_id)

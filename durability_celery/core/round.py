@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidMessage
-from .allocate import Allocation, Demand, allocate
+from .allocate import Allocation, Demand, allocate, room_of
 from .clients import mark_seen
 from .config import Over, RoundConfig
 from .keystate import Blocked, KeyState, LimitSource, worst_reason
@@ -126,14 +126,10 @@ def _over_limit(ledger: Ledger, limits: ResolvedLimits, config: RoundConfig) -> 
     leases = config.leases
     if leases is not None and isinstance(leases.provisioning, Over):
         ceiling += leases.provisioning.extra_for(limits.limit)
-    per_group: dict[str | None, int] = {}
-    counted: list[tuple[str | None, int]] = [(g.group, g.footprint) for g in ledger.grants.values()]
-    counted += [(le.group, le.footprint) for le in ledger.leases.values()]
-    for group, footprint in counted:
-        per_group[group] = per_group.get(group, 0) + footprint
-    if sum(per_group.values()) > ceiling:
+    held = room_of(ledger, limits.limit)
+    if held.grants_out + held.lease_footprint > ceiling:
         return True
-    for group, used in per_group.items():
+    for group, used in held.group_used.items():
         if limits.group_failed(group):
             return True
         group_ceiling = limits.group_limit(group)
