@@ -48,6 +48,7 @@ class BlockingClient:
             semaphore_name, client_id=self.client_id, supports_leases=settings.supports_leases,
             claim_margin=settings.claim_margin_for(semaphore.config.grant_timeout),
             request_timeout=self.timeout, clock=clock,
+            lease_idle=semaphore.config.leases.idle if semaphore.config.leases else None,
         )
         # A random suffix: two clients given the same client_id must not share replies.
         self.reply_queue = reply_queue(

@@ -59,14 +59,17 @@ class SemaphoreClient:
     def __init__(self, semaphore: str, *, client_id: str, supports_leases: bool = True,
                  claim_margin: float = 1.0, request_timeout: float = 5.0,
                  handoff_window: float = 0.0, handoff_linger: float = 0.0,
+                 capacity: int | None = None, lease_idle: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if not isinstance(semaphore, str) or not semaphore:
             raise CallerError("semaphore must be a non-empty string")
         if not isinstance(client_id, str) or not client_id:
             raise CallerError("client_id must be a non-empty string")
-        if min(claim_margin, handoff_window, handoff_linger) < 0 or request_timeout <= 0:
-            raise CallerError("claim_margin, handoff_window and handoff_linger must be >= 0 "
-                              "and request_timeout > 0")
+        if (min(claim_margin, handoff_window, handoff_linger, lease_idle or 0.0) < 0
+                or request_timeout <= 0):
+            raise CallerError("claim_margin, handoff_window, handoff_linger and lease_idle "
+                              "must be >= 0 and request_timeout > 0")
+        self.capacity = capacity
         self.semaphore = semaphore
         self.client_id = client_id
         self.supports_leases = supports_leases
@@ -74,6 +77,8 @@ class SemaphoreClient:
         self.request_timeout = float(request_timeout)
         self.handoff_window = float(handoff_window)
         self.handoff_linger = float(handoff_linger)
+        self.lease_idle = None if lease_idle is None else float(lease_idle)
+        """Return a lease unused this long with nothing queued in its group (None: never)."""
         self._clock = clock
         self._stopped = False
         self._seq = itertools.count()
@@ -85,6 +90,24 @@ class SemaphoreClient:
         self._idle: dict[tuple[str, str | None], list[tuple[float, Permit]]] = {}
         """(key, group) -> permits whose item ended with nothing queued to pass them to,
         kept until a local time for the next item of that key and group (see pass_on)."""
+
+    @property
+    def capacity(self) -> int | None:
+        """How many items this client can run at once (its pool), None: unbounded.
+
+        With handoff on, a key's demand never asks for more than this minus the
+        permits the client already has for the key: a running item's permit
+        passes on to the next queued one, so a permit beyond what the pool can
+        run would only sit here while another client's items of the key wait.
+        """
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise CallerError(f"capacity must be a positive int or None, got {value!r}")
+        self._capacity = value
 
     # -- the client queue ----------------------------------------------------
 
@@ -113,7 +136,7 @@ class SemaphoreClient:
         return True
 
     def admit(self, *, limit: int | None = None) -> list[Permit]:
-        """Give permits to queued items, oldest first; a lease permit before a grant permit."""
+        """Give permits to queued items, oldest first (see _take for which permit each gets)."""
         if self._stopped or (limit is not None and limit <= 0):
             return []
         now = self._clock()
@@ -149,34 +172,41 @@ class SemaphoreClient:
         return held + len(self._idle.get((key, group), ()))
 
     def _take(self, item: _Queued, now: float) -> Permit | None:
-        """A lease draw, else a grant claim (claimed early, never near its deadline), else a
-        permit kept idle since its item ended (it goes back to the holder if unused)."""
-        permit = self._draw_or_claim(item, now)
-        if permit is not None:
-            return permit
-        idle = self._idle.get((item.key, item.group))
-        if not idle:
-            return None
-        _, kept = idle.pop(0)  # expiry order: the one closest to going back first
-        if not idle:
-            del self._idle[(item.key, item.group)]
-        return replace(kept, item_id=item.item_id, handed_off=True)
+        """A grant claim (claimed early, never near its deadline), else a permit kept idle
+        since its item ended (it goes back to the holder if unused), else a lease draw:
+        the lease keeps its undrawn permits for the items no idle permit covers."""
+        return self._claim(item, now) or self._reuse_idle(item, now) or self._draw(item, now)
 
-    def _draw_or_claim(self, item: _Queued, now: float) -> Permit | None:
-        ledger = self._ledgers[item.key]
-        leases = [le for le in ledger.leases.values()
-                  if le.group == item.group and le.drawable(now)]
-        if leases:
-            lease = min(leases, key=lambda le: le.expires_at)
-            lease.drawn += 1  # one-shot: releasing never makes it drawable again
-            return Permit(item.item_id, item.key, item.group, "lease", lease.lease_id, now)
-        grants = [g for g in ledger.grants.values()
+    def _claim(self, item: _Queued, now: float) -> Permit | None:
+        grants = [g for g in self._ledgers[item.key].grants.values()
                   if g.group == item.group and g.claimable(now, self.claim_margin)]
-        if grants:
-            grant = min(grants, key=lambda g: g.claim_deadline)
-            grant.claimed += 1
-            return Permit(item.item_id, item.key, item.group, "grant", grant.grant_id, now)
+        if not grants:
+            return None
+        grant = min(grants, key=lambda g: g.claim_deadline)
+        grant.claimed += 1
+        return Permit(item.item_id, item.key, item.group, "grant", grant.grant_id, now)
+
+    def _reuse_idle(self, item: _Queued, now: float) -> Permit | None:
+        slot = (item.key, item.group)
+        idle = self._idle.get(slot)
+        while idle:
+            _, kept = idle.pop(0)  # expiry order: the one closest to going back first
+            if not idle:
+                del self._idle[slot]
+            if self._may_pass_on(kept, now):
+                return replace(kept, item_id=item.item_id, handed_off=True)
+            self._give_back(kept)  # its lease or grant went while it waited
         return None
+
+    def _draw(self, item: _Queued, now: float) -> Permit | None:
+        leases = [le for le in self._ledgers[item.key].leases.values()
+                  if le.group == item.group and le.drawable(now)]
+        if not leases:
+            return None
+        lease = min(leases, key=lambda le: le.expires_at)
+        lease.drawn += 1  # one-shot: releasing never makes it drawable again
+        lease.last_used = now
+        return Permit(item.item_id, item.key, item.group, "lease", lease.lease_id, now)
 
     def pass_on(self, item_id: str) -> Permit | None:
         """The admitted item ended: its permit goes to the next queued item, or is released.
@@ -240,15 +270,23 @@ class SemaphoreClient:
         return any(g.group == permit.group and g.claimable(now, self.claim_margin)
                    for g in ledger.grants.values())
 
-    def _release_idle(self, now: float) -> None:
-        """Idle permits past their time, or that may no longer pass on, go back to the holder."""
+    def _release_idle(self, now: float, *, recheck: bool = False) -> None:
+        """Idle permits past their time go back to the holder; with `recheck` also those
+        that may no longer pass on. Only a reply (or stopping) changes that, and every
+        use re-checks, so the pump's frequent sweeps look at each slot's head only."""
         for slot in list(self._idle):
-            keep = []
-            for until, permit in self._idle[slot]:
-                if now < until and self._may_pass_on(permit, now):
-                    keep.append((until, permit))
-                else:
-                    self._give_back(permit)
+            idle = self._idle[slot]
+            if recheck:
+                keep: list[tuple[float, Permit]] = []
+                gone: list[tuple[float, Permit]] = []
+                for kept in idle:
+                    usable = now < kept[0] and self._may_pass_on(kept[1], now)
+                    (keep if usable else gone).append(kept)
+            else:
+                cut = bisect.bisect_right(idle, now, key=lambda kept: kept[0])
+                keep, gone = idle[cut:], idle[:cut]
+            for _, permit in gone:
+                self._give_back(permit)
             if keep:
                 self._idle[slot] = keep
             else:
@@ -270,6 +308,8 @@ class SemaphoreClient:
                 permit.source_id)
         if copy is not None:  # a grant the holder no longer knows has nothing to report
             copy.released += 1
+            if isinstance(copy, LeaseCopy):
+                copy.last_used = self._clock()
 
     # -- talking to the holder -----------------------------------------------
 
@@ -287,26 +327,56 @@ class SemaphoreClient:
         now = self._clock()
         times = [at for _, at in self._due_times(now) if at is not None]
         times += [idle[0][0] for idle in self._idle.values()]  # going back is a report
+        times += [at for _, at in self._idle_leases()]  # so is returning an idle lease
         return min(times) if times else None
+
+    def _idle_leases(self) -> Iterator[tuple[LeaseCopy, float]]:
+        """Leases with nothing in use and nothing queued in their group, and when they
+        are returned: a lease serves a burst, and an idle one's undrawn permits stay
+        counted (in usage, and against other clients) until a contended round or ttl."""
+        if self.lease_idle is None:
+            return
+        for key, ledger in self._ledgers.items():
+            queued = self._queues.get(key, {})
+            for lease in ledger.leases.values():
+                if not lease.stopped and lease.in_use == 0 and lease.group not in queued:
+                    yield lease, lease.last_used + self.lease_idle
 
     def _due_times(self, now: float) -> Iterator[tuple[str, float | None]]:
         for key, ledger in self._ledgers.items():
-            demand = bool(self._demand(key, now))
+            # Uncovered items keep the key talking every round_period even when the pool
+            # has no room to ask for more: a reply may say over_limit (stop handoffs).
+            demand = bool(self._uncovered(key, now)[0])
             queued = set(self._queues.get(key, {}))
             yield key, ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
                                      demand=demand, queued_groups=queued,
                                      stopping=self._stopped)
 
-    def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
-        """Per group: queued items minus the claimable and drawable permits already held."""
+    def _uncovered(self, key: str, now: float) -> tuple[list[DemandEntry], int]:
+        """Per group: queued items minus the permits already held for them; and how many
+        permits the client has for the key in all (held, running or kept idle)."""
         if self._stopped:
-            return ()
-        entries = []
+            return [], 0
+        wanted, have = [], 0
         for group, queue in self._queues.get(key, {}).items():
             held = self._held_permits(key, group, now)
+            have += held
             if len(queue) > held:
                 # The oldest item the held permits will not cover is the demand's age.
-                entries.append(DemandEntry(group, len(queue) - held, queue[held][0]))
+                wanted.append(DemandEntry(group, len(queue) - held, queue[held][0]))
+        return wanted, have + sum(1 for p in self._admitted.values() if p.key == key)
+
+    def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
+        """What to ask for: the uncovered items, within the room `capacity` leaves."""
+        wanted, have = self._uncovered(key, now)
+        if self._capacity is None or not self.handoff_window:
+            return tuple(wanted)
+        room, entries = self._capacity - have, []
+        for entry in sorted(wanted, key=lambda e: e.oldest_at):  # oldest group first
+            if room <= 0:
+                break
+            entries.append(replace(entry, count=min(entry.count, room)))
+            room -= entries[-1].count
         return tuple(entries)
 
     def message(self, key: str) -> dict[str, Any]:
@@ -336,7 +406,7 @@ class SemaphoreClient:
         ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped)
         if reply.contended:
             self._stop_idle_leases(key, ledger)
-        self._sweep(now)
+        self._sweep(now, recheck=True)
 
     def _stop_idle_leases(self, key: str, ledger: KeyLedger) -> None:
         """Contended: return undrawn lease permits of groups where nothing is queued."""
@@ -351,7 +421,7 @@ class SemaphoreClient:
     def stop(self) -> None:
         """Shutdown: stop every lease (reported stopped=true); admit nothing more."""
         self._stopped = True
-        self._release_idle(self._clock())
+        self._release_idle(self._clock(), recheck=True)
         for ledger in self._ledgers.values():
             for lease in ledger.leases.values():
                 lease.stop()
@@ -413,8 +483,11 @@ class SemaphoreClient:
             for group, queue in groups.items():
                 yield key, group, queue
 
-    def _sweep(self, now: float) -> None:
-        self._release_idle(now)
+    def _sweep(self, now: float, *, recheck: bool = False) -> None:
+        self._release_idle(now, recheck=recheck)
+        for lease, at in list(self._idle_leases()):
+            if at <= now:
+                lease.stop()  # reported stopped at once: its undrawn permits go back
         for key in list(self._ledgers):
             ledger = self._ledgers[key]
             ledger.sweep(now, self.claim_margin, stopped=self._stopped)

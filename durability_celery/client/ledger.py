@@ -112,6 +112,8 @@ class LeaseCopy:
     """A reply answered a message that carried `stopped=true` for it."""
     acked_drawn: int = 0
     acked_released: int = 0
+    last_used: float = 0.0
+    """Local time of its adoption or of its last draw or release (see lease_idle)."""
 
     def drawable(self, now: float) -> int:
         if self.stopped or now >= self.expires_at:
@@ -264,7 +266,7 @@ class KeyLedger:
             # As for grants: nothing of ours runs on a lease we did not know.
             copy = LeaseCopy(view.lease_id, view.group, view.permits,
                              expires_at=anchor + remaining, heartbeat_at=anchor + remaining / 2,
-                             ttl=remaining, drawn=view.drawn, released=view.drawn)
+                             ttl=remaining, drawn=view.drawn, released=view.drawn, last_used=now)
             self.leases[view.lease_id] = copy
             if not draw:
                 copy.stop()

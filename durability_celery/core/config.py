@@ -90,8 +90,14 @@ class Leases:
     permits_per_lease: int = 64
     ttl: float = 1800.0
     limited_groups: LimitedGroups = "exclude"
+    idle: float | None = 5.0
+    """Seconds after which a client returns a lease nothing has drawn from or released to,
+    with nothing queued or running in its group; None keeps it until a contended round
+    or `ttl`, as the spec does (its undrawn permits stay counted meanwhile)."""
 
     def __post_init__(self) -> None:
+        if self.idle is not None:
+            validate_seconds("Leases.idle", self.idle)
         if not isinstance(self.provisioning, Strict | Under | Over):
             raise ConfigurationError(
                 "Leases.provisioning must be Strict(), Under(...) or Over(...)"

@@ -92,7 +92,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                                claim_margin=settings.claim_margin_for(config.grant_timeout),
                                request_timeout=settings.request_timeout,
                                handoff_window=semaphore.handoff_window,
-                               handoff_linger=config.round_wait)
+                               handoff_linger=config.round_wait,
+                               lease_idle=config.leases.idle if config.leases else None)
 
     def _hooks(self, c: Any) -> Hooks:
         real_on_task_request = c.on_task_request
@@ -121,8 +122,11 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
     # -- bootstep ----------------------------------------------------------------
 
     def get_consumers(self, channel: Any) -> list[Any]:
+        pool_size = self.hooks.pool_size()
         if self.durability.settings.max_held is None:
-            self.gate.max_held = 4 * self.hooks.pool_size()
+            self.gate.max_held = 4 * pool_size
+        for client in self.clients.values():
+            client.capacity = pool_size  # ask for no permit the pool could not run
         if self.durability.settings.hold_deadline is None:
             self.gate.hold_deadline = default_hold_deadline(
                 self.c.app, self.c.connection.transport.driver_type)

@@ -273,3 +273,110 @@ def test_a_fresh_grant_permit_is_claimed_before_a_permit_passes_on() -> None:
     # With no fresh permit left, the next ending passes its permit on as usual.
     passed = client.pass_on("q1")
     assert passed is not None and (passed.item_id, passed.source_id) == ("q2", "g2")
+
+
+def test_an_idle_permit_is_reused_before_a_lease_permit_is_drawn() -> None:
+    clock = FakeClock()
+    client = leased(clock, permits=3, linger=5.0)
+    assert client.pass_on("t0") is None  # nothing queued: kept idle
+    client.enqueue(KEY, None, "next", enqueued_at=clock.now)
+    [permit] = client.admit()
+    assert (permit.item_id, permit.source_id, permit.handed_off) == ("next", "L1", True)
+    # The lease still has both undrawn permits for items no idle permit covers.
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 0, False)}
+    for i in range(3):
+        client.enqueue(KEY, None, f"more-{i}", enqueued_at=clock.now + 1 + i)
+    assert [p.item_id for p in client.admit()] == ["more-0", "more-1"]
+
+
+def test_an_idle_permit_whose_lease_expired_meanwhile_goes_back_instead_of_running() -> None:
+    clock = FakeClock()
+    client = leased(clock, permits=1, expires_in=10.0, linger=30.0)
+    assert client.pass_on("t0") is None
+    clock.advance(10.0)  # the lease's local expiry, with no reply since
+    client.enqueue(KEY, None, "late", enqueued_at=clock.now)
+    assert client.admit() == []
+    assert lease_reports(client.message(KEY))["L1"][:2] == (1, 1), "drawn once, released"
+
+
+def test_with_handoff_demand_asks_for_no_more_than_the_pool_can_run() -> None:
+    clock = FakeClock()
+    queued = [(None, f"q{i}", 10.0 + i) for i in range(8)]
+    client = granted(clock, permits=2, items=(*queued, ("wf", "w0", 5.0)))
+    assert demand(client.message(KEY)) == {None: (8, 10.0), "wf": (1, 5.0)}
+    client.capacity = 4
+    # Two run (their permits pass on to q0 and q1): room for two more, oldest first.
+    assert demand(client.message(KEY)) == {"wf": (1, 5.0), None: (1, 10.0)}
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=2, claimed=2, claim_deadline=clock.now + 10),
+        grant("g2", permits=1, claim_deadline=clock.now + 10)]))
+    assert demand(client.message(KEY)) == {"wf": (1, 5.0)}, "the grant fills the room"
+    client.enqueue("acct-2", None, "elsewhere", enqueued_at=1.0)
+    assert demand(client.message("acct-2")) == {None: (1, 1.0)}, "room is per key"
+    with pytest.raises(CallerError):
+        client.capacity = 0
+
+
+def test_without_handoff_demand_is_every_queued_item() -> None:
+    clock = FakeClock()
+    client = granted(clock, window=0.0, permits=2,
+                     items=tuple((None, f"q{i}", 10.0 + i) for i in range(8)))
+    client.capacity = 4
+    # Each permit goes back when its item ends: permits granted ahead keep the pool fed.
+    assert demand(client.message(KEY)) == {None: (8, 10.0)}
+
+
+def test_a_lease_unused_for_lease_idle_goes_back_so_usage_returns_to_zero() -> None:
+    clock = FakeClock()
+    client = make_client(clock, lease_idle=5.0)
+    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=4, expires_at=clock.now + 1800)]))
+    [permit] = client.admit()
+    clock.advance(3.0)
+    client.release(permit.item_id)
+    clock.advance(4.9)
+    assert client.due() == [KEY], "the release is reported"
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 1, False)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=4, drawn=1, released=1, expires_at=clock.now + 1800)]))
+    assert client.next_due_at() == pytest.approx(1008.0), "5 s after the release"
+    clock.advance(0.1)
+    assert client.due() == [KEY]
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 1, True)}, "stopped: returned"
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=4, drawn=1, released=1, status="settled")]))
+    assert client.settled()
+
+
+def test_a_lease_is_not_idle_while_its_group_has_work() -> None:
+    clock = FakeClock()
+    client = leased(clock, permits=4, running=1)
+    client.lease_idle = 1.0
+    clock.advance(10.0)
+    client.due()
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 0, False)}, "a task runs on it"
+    client.enqueue(KEY, "other", "x", enqueued_at=clock.now)
+    client.release("t0")
+    client.enqueue(KEY, None, "waits", enqueued_at=clock.now)  # e.g. no free pool slot
+    clock.advance(10.0)
+    client.due()
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 1, False)}, "something queued"
+
+
+def test_a_pool_with_no_room_still_asks_every_round_and_hears_over_limit() -> None:
+    clock = FakeClock()
+    client = granted(clock, permits=2, items=((None, "q0", 5.0), (None, "q1", 6.0)))
+    client.capacity = 2
+    message = client.message(KEY)
+    assert message["type"] == "sync" and demand(message) == {}, "no room: nothing asked"
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=2, claimed=2, claim_deadline=clock.now + 10)]))
+    assert client.due() == []
+    clock.advance(2.0)  # next_request_at: held items keep the key talking to the holder
+    assert client.due() == [KEY]
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, over_limit=True, grants=[
+        grant("g1", permits=2, claimed=2, claim_deadline=clock.now + 10)]))
+    assert client.pass_on("run-0") is None, "a lowered limit bites as running items end"

@@ -128,7 +128,9 @@ def test_reports_are_cumulative_high_water_marks() -> None:
     assert grant_reports(client.message(KEY)) == {"g1": (3, 2)}
 
 
-def test_lease_permits_are_drawn_first_and_are_one_shot() -> None:
+def test_grant_permits_are_claimed_before_lease_draws_which_are_one_shot() -> None:
+    # A grant permit must be claimed before its deadline or it is lost; a lease
+    # permit keeps for the lease's ttl, so it serves whatever the grant does not.
     clock = FakeClock()
     client = make_client(clock)
     for i in range(3):
@@ -139,8 +141,8 @@ def test_lease_permits_are_drawn_first_and_are_one_shot() -> None:
         leases=[lease("l1", permits=2, expires_at=clock.now + 1800)]))
     permits = client.admit()
     assert [(p.item_id, p.source) for p in permits] == [
-        ("t0", "lease"), ("t1", "lease"), ("t2", "grant")]
-    client.release("t0")
+        ("t0", "grant"), ("t1", "lease"), ("t2", "lease")]
+    client.release("t1")
     client.enqueue(KEY, None, "t3", enqueued_at=4.0)
     assert client.admit() == []  # the released lease permit is not drawable again
     assert lease_reports(client.message(KEY)) == {"l1": (2, 1, False)}

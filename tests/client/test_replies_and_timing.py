@@ -346,13 +346,13 @@ def test_late_replies_never_resurrect_what_was_forgotten_or_stopped() -> None:
                 leases=[lease("l1", permits=1, expires_at=clock.now + 100)])
     client.on_response(KEY, old)
     [permit] = client.admit()
-    assert permit.source == "lease"
+    assert permit.source == "grant"  # claimed before its deadline; the lease stays undrawn
     client.release("t1")
     client.stop()
     client.message(KEY)
     client.on_response(KEY, reply(clock.now + 1, grants=[
         grant("g1", permits=1, status="not_found")], leases=[
-        lease("l1", permits=1, drawn=1, released=1, status="settled")]))
+        lease("l1", permits=1, status="settled")]))
     assert client.settled()
     client.on_response(KEY, old)  # duplicated and reordered
     assert client.settled()

@@ -86,6 +86,8 @@ def test_another_clients_ids_are_rejected_and_change_nothing(make_semaphore: Any
         (lambda: RoundConfig("", grant_timeout=1), "semaphore name"),
         (lambda: Leases(permits_per_lease=0), "Leases.permits_per_lease"),
         (lambda: Leases(ttl=0.5), "Leases.ttl"),
+        (lambda: Leases(idle=-1.0), "Leases.idle"),
+        (lambda: Leases(idle="5"), "Leases.idle"),  # type: ignore[arg-type]
         (lambda: Leases(limited_groups="all"), "Leases.limited_groups"),  # type: ignore[arg-type]
         (lambda: Under(reserve=-1), "Under.reserve"),
         (lambda: Over(), "Over needs exactly one"),
