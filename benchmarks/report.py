@@ -45,8 +45,8 @@ def _overhead(results: dict[str, Any]) -> list[str]:
     rows = results.get("overhead", [])
     plain = _plain_reference(rows)
     lines = ["1. Overhead: no-op tasks, limit never binds (limit 50 per key, tasks spread over",
-             "   1 or 16 keys), one client worker (concurrency 4, prefetch 1, max_held 16), one",
-             "   holder. ratio = tasks/s / mean of the two plain runs of that pool and key count",
+             "   1 or 16 keys), one client worker (concurrency 4, prefetch 1, max_held default:",
+             "   16), one holder. ratio = tasks/s / mean of the two plain runs of that pool and key count",
              "   (measured first and last)",
              "", f"   {'pool':<8} {'keys':>4} {'variant':<68} {'tasks/s':>8} {'ratio':>6}  target"]
     for r in rows:

@@ -33,7 +33,8 @@ class DurabilitySettings:
     semaphore's grant_timeout, so that a claim's first report, if lost, is retried in time
     (a claim counts only once a report of it reaches the holder before the deadline)."""
     max_held: int | None = None
-    """Task messages one worker holds waiting for permits; None: 4 x pool size."""
+    """Task messages one worker holds waiting for permits; None: 4 x pool size (see
+    worker/step.py HELD_PER_SLOT for when more helps)."""
     hold_deadline: float | None = None
     """Hand a held message back to the broker after this long; None: derived from the broker."""
     reply_expires: float = 300.0

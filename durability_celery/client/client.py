@@ -367,17 +367,16 @@ class SemaphoreClient:
         return wanted, have + sum(1 for p in self._admitted.values() if p.key == key)
 
     def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
-        """What to ask for: the uncovered items, within the room `capacity` leaves."""
+        """What to ask for: the uncovered items, within the room `capacity` leaves.
+
+        The room bounds each group on its own, not their sum: shared oldest first,
+        a group the holder cannot serve (its ceiling, a failing group_limit) would
+        take all of it and leave the others asking for nothing."""
         wanted, have = self._uncovered(key, now)
         if self._capacity is None or not self.handoff_window:
             return tuple(wanted)
-        room, entries = self._capacity - have, []
-        for entry in sorted(wanted, key=lambda e: e.oldest_at):  # oldest group first
-            if room <= 0:
-                break
-            entries.append(replace(entry, count=min(entry.count, room)))
-            room -= entries[-1].count
-        return tuple(entries)
+        room = self._capacity - have
+        return tuple(replace(e, count=min(e.count, room)) for e in wanted if room > 0)
 
     def message(self, key: str) -> dict[str, Any]:
         """Build a request (demand + reports) or a sync (reports only); mark it in flight."""

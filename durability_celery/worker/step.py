@@ -24,6 +24,14 @@ from .visibility import log_summary
 
 logger = logging.getLogger("durability_celery.worker")
 
+HELD_PER_SLOT = 4
+"""Default max_held per pool slot. Every held task of a key without a permit waits for
+that key's next round (1-3 s), so a worker serving many keys on grants alone runs at
+most about max_held tasks per round trip (docs/benchmarks.md, section 1: 16 keys of
+no-op tasks on a pool of 4 ran 13 tasks/s with 16 held, about 0.8 of plain Celery
+with 128). Not raised by default: with 32 per slot, a Redis restart while messages
+were held crashed the worker in kombu (restore of unacked messages on a transport
+already closed, tests/faults/test_services.py), every time in 5 runs."""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
 SUMMARY_INTERVAL = 30.0
@@ -124,7 +132,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
     def get_consumers(self, channel: Any) -> list[Any]:
         pool_size = self.hooks.pool_size()
         if self.durability.settings.max_held is None:
-            self.gate.max_held = 4 * pool_size
+            self.gate.max_held = HELD_PER_SLOT * pool_size
         for client in self.clients.values():
             client.capacity = pool_size  # ask for no permit the pool could not run
         if self.durability.settings.hold_deadline is None:

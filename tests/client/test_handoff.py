@@ -305,12 +305,15 @@ def test_with_handoff_demand_asks_for_no_more_than_the_pool_can_run() -> None:
     client = granted(clock, permits=2, items=(*queued, ("wf", "w0", 5.0)))
     assert demand(client.message(KEY)) == {None: (8, 10.0), "wf": (1, 5.0)}
     client.capacity = 4
-    # Two run (their permits pass on to q0 and q1): room for two more, oldest first.
-    assert demand(client.message(KEY)) == {"wf": (1, 5.0), None: (1, 10.0)}
+    # Two run (their permits pass on to q0 and q1): room for two more, in each group,
+    # so that a group the holder cannot serve never leaves another asking for nothing.
+    assert demand(client.message(KEY)) == {"wf": (1, 5.0), None: (2, 10.0)}
     client.on_response(KEY, reply(clock.now, grants=[
         grant("g1", permits=2, claimed=2, claim_deadline=clock.now + 10),
         grant("g2", permits=1, claim_deadline=clock.now + 10)]))
-    assert demand(client.message(KEY)) == {"wf": (1, 5.0)}, "the grant fills the room"
+    assert demand(client.message(KEY)) == {"wf": (1, 5.0), None: (1, 11.0)}
+    client.capacity = 3
+    assert demand(client.message(KEY)) == {}, "the grant fills the room"
     client.enqueue("acct-2", None, "elsewhere", enqueued_at=1.0)
     assert demand(client.message("acct-2")) == {None: (1, 1.0)}, "room is per key"
     with pytest.raises(CallerError):
