@@ -331,14 +331,10 @@ def test_without_handoff_demand_is_every_queued_item() -> None:
 
 def test_a_lease_unused_for_lease_idle_goes_back_so_usage_returns_to_zero() -> None:
     clock = FakeClock()
-    client = make_client(clock, lease_idle=5.0)
-    client.enqueue(KEY, None, "t0", enqueued_at=1.0)
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, leases=[
-        lease("L1", permits=4, expires_at=clock.now + 1800)]))
-    [permit] = client.admit()
+    client = leased(clock, permits=4, window=0.0)
+    client.lease_idle = 5.0
     clock.advance(3.0)
-    client.release(permit.item_id)
+    client.release("t0")
     clock.advance(4.9)
     assert client.due() == [KEY], "the release is reported"
     assert lease_reports(client.message(KEY)) == {"L1": (1, 1, False)}
