@@ -279,7 +279,10 @@ class KeyLedger:
         copy.acked_drawn = max(copy.acked_drawn, view.drawn)
         copy.acked_released = max(copy.acked_released, view.released)
         if view.status == "retired":
-            copy.retired = True
+            # The holder answers "retired" to our own stop too; only a lease we had not
+            # stopped was retired by the holder's choice (ttl, a lowered limit, an
+            # ineligible group), and only then do its drawn permits stop passing on.
+            copy.retired = copy.retired or not copy.stopped
             copy.stop()  # draw no more; confirm what we drew until the holder settles it
 
     def _apply_late(self, view: LeaseView) -> None:

@@ -218,6 +218,10 @@ def test_a_lease_stopped_for_idleness_still_passes_a_running_permit_to_a_queued_
     # back); the running item's drawn permit may still move on.
     client.on_response(KEY, reply(clock.now, contended=True, leases=[
         lease("L1", permits=2, drawn=1, expires_at=clock.now + 600)]))
+    assert lease_reports(client.message(KEY)) == {"L1": (1, 0, True)}
+    # The holder answers our stop as "retired": that is not a retirement of its own.
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("L1", permits=2, drawn=1, expires_at=clock.now + 600, status="retired")]))
     client.enqueue(KEY, None, "t1", enqueued_at=2.0)
     passed = client.pass_on("t0")
     assert passed is not None and (passed.item_id, passed.source_id) == ("t1", "L1")
