@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
                         "overhead,contention,scale")
+    parser.add_argument("--keep", action="store_true", help="keep the skipped sections' "
+                        "figures from the last results file, marked with that run's time")
     options = parser.parse_args()
     plan = make_plan(options.quick)
     skip = set(filter(None, options.skip.split(",")))
@@ -122,7 +124,29 @@ def main() -> None:
         drop()
     results["machine_after"] = machine()
     results["seconds"] = time.time() - started
+    if options.keep:
+        keep_skipped(results, plan, skip)
     finish(results, plan)
+
+
+SECTIONS = {"overhead": ("overhead",), "contention": ("utilization", "latency"),
+            "scale": ("scale",)}
+
+
+def keep_skipped(results: dict[str, Any], plan: Plan, skip: set[str]) -> None:
+    """Copy the skipped sections from the last results file, saying which run they are from."""
+    suffix = "-quick" if plan.quick else ""
+    path = RESULTS / f"results{suffix}.json"
+    if not path.exists():
+        return
+    last = json.loads(path.read_text())
+    for section in skip:
+        for field in SECTIONS.get(section, ()):
+            if field in last:
+                results[field] = last[field]
+                kept = last.get("kept", {}).get(field) or {
+                    "utc": last["machine_before"]["utc"], "command": last["command"]}
+                results.setdefault("kept", {})[field] = kept
 
 
 def finish(results: dict[str, Any], plan: Plan) -> None:

@@ -135,6 +135,8 @@ def render_text(results: dict[str, Any], plan: Plan) -> str:
             f"{before['postgresql']}",
             f"load average before {tuple(round(x, 2) for x in before['loadavg'])}, after "
             f"{tuple(round(x, 2) for x in after['loadavg'])} (shared machine: ratios matter)",
+            *(f"section {field}: kept from the run of {kept['utc']} ({kept['command']})"
+              for field, kept in results.get("kept", {}).items()),
             ""]
     body = [*_overhead(results), "", *_utilization(results), "", *_latency(results), "",
             *_scale(results)]
