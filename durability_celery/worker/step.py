@@ -31,7 +31,7 @@ most about max_held tasks per round trip (docs/benchmarks.md, section 1: 16 keys
 no-op tasks on a pool of 4 ran 13 tasks/s with 16 held, about 0.8 of plain Celery
 with 128). Not raised by default: with 32 per slot, a Redis restart while messages
 were held crashed the worker in kombu (restore of unacked messages on a transport
-already closed, tests/faults/test_services.py), every time in 5 runs."""
+already closed, tests/faults/test_services.py), every time in 6 runs."""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
 SUMMARY_INTERVAL = 30.0
