@@ -28,7 +28,7 @@ HELD_PER_SLOT = 4
 """Default max_held per pool slot. Every held task of a key without a permit waits for
 that key's next round (1-3 s), so a worker serving many keys on grants alone runs at
 most about max_held tasks per round trip (docs/benchmarks.md, section 1: 16 keys of
-no-op tasks on a pool of 4 ran 13 tasks/s with 16 held, about 0.8 of plain Celery
+no-op tasks on a pool of 4 ran 14-18 tasks/s with 16 held, 0.75-0.78 of plain Celery
 with 128). Not raised by default: with 32 per slot, a Redis restart while messages
 were held crashed the worker in kombu (restore of unacked messages on a transport
 already closed, tests/faults/test_services.py), every time in 6 runs."""
