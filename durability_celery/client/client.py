@@ -353,18 +353,18 @@ class SemaphoreClient:
                                      stopping=self._stopped)
 
     def _uncovered(self, key: str, now: float) -> tuple[list[DemandEntry], int]:
-        """Per group: queued items minus the permits already held for them; and how many
-        permits the client has for the key in all (held, running or kept idle)."""
+        """Per group: queued items minus the permits already held for them; and the sum
+        of those held permits (claimable, drawable or kept idle)."""
         if self._stopped:
             return [], 0
-        wanted, have = [], 0
+        wanted, held_in_all = [], 0
         for group, queue in self._queues.get(key, {}).items():
             held = self._held_permits(key, group, now)
-            have += held
+            held_in_all += held
             if len(queue) > held:
                 # The oldest item the held permits will not cover is the demand's age.
                 wanted.append(DemandEntry(group, len(queue) - held, queue[held][0]))
-        return wanted, have + sum(1 for p in self._admitted.values() if p.key == key)
+        return wanted, held_in_all
 
     def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
         """What to ask for: the uncovered items, within the room `capacity` leaves.
@@ -372,11 +372,14 @@ class SemaphoreClient:
         The room bounds each group on its own, not their sum: shared oldest first,
         a group the holder cannot serve (its ceiling, a failing group_limit) would
         take all of it and leave the others asking for nothing."""
-        wanted, have = self._uncovered(key, now)
+        wanted, held = self._uncovered(key, now)
         if self._capacity is None or not self.handoff_window:
             return tuple(wanted)
-        room = self._capacity - have
-        return tuple(replace(e, count=min(e.count, room)) for e in wanted if room > 0)
+        running = sum(1 for p in self._admitted.values() if p.key == key)
+        room = self._capacity - held - running
+        if room <= 0:
+            return ()
+        return tuple(replace(e, count=min(e.count, room)) for e in wanted)
 
     def message(self, key: str) -> dict[str, Any]:
         """Build a request (demand + reports) or a sync (reports only); mark it in flight."""
