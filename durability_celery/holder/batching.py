@@ -1,7 +1,8 @@
 # When the holder runs a round or a reclaim for each key: the waiting requests,
 # the round timer and the claim-deadline alarm, with no I/O and no clock (`now`
 # is always a parameter). Rule: at most one job per key at a time, and a key's
-# round starts at max(first waiting arrival + round_wait, last round + round_period).
+# round starts at max(first waiting arrival + round_wait,
+# last round + round_period + a moment to gather the clients that reply told to ask then).
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,6 +14,16 @@ KeyId = tuple[str, str]
 
 ALARM_MIN_DELAY = 0.1
 """A deadline at or before `now` from a reclaim is retried this much later, never in a hot loop."""
+
+GATHER = 0.1
+"""Seconds a round waits past last round + round_period (at most round_wait).
+
+Every reply says `next_request_at` = its round + round_period, so a contended
+key's clients all ask at that instant. A request that waited since earlier (a
+report, a new client) would otherwise start the round at that very instant,
+and the requests sent on time, a few milliseconds later, would miss it and
+wait a whole period: measured, that made permits released by one worker reach
+another's queued work one period late."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,7 @@ class Batcher:
         round_wait, round_period = self._timing(key_id[0])
         at = slot.waiting[0].arrived_at + round_wait
         if slot.last_round_at is not None:
-            at = max(at, slot.last_round_at + round_period)
+            at = max(at, slot.last_round_at + round_period + min(GATHER, round_wait))
         return at
 
     def take_due(self, now: float) -> list[Job]:

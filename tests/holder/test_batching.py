@@ -2,7 +2,7 @@
 # starts, that keys never run two jobs at once, and the claim-deadline alarm.
 from __future__ import annotations
 
-from durability_celery.holder.batching import Batcher, Reclaim, Round, Waiting
+from durability_celery.holder.batching import GATHER, Batcher, Reclaim, Round, Waiting
 
 WAIT, PERIOD = 1.0, 2.0
 K = ("jobs", "acct-1")
@@ -34,9 +34,29 @@ def test_rounds_of_one_key_are_round_period_apart() -> None:
     assert len(b.take_due(1.0)) == 1
     b.finished(K)
     b.add(K, req(1.5, 2))  # its round_wait ends at 2.5, the period at 3.0
-    assert b.round_at(K) == 3.0
-    assert b.take_due(2.9) == []
-    assert len(b.take_due(3.0)) == 1
+    assert b.round_at(K) == 3.0 + GATHER
+    assert b.take_due(3.0) == []
+    assert len(b.take_due(3.0 + GATHER)) == 1
+
+
+def test_requests_sent_at_next_request_at_join_a_round_a_report_waits_for() -> None:
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K)  # its replies say next_request_at = 3.0
+    b.add(K, req(1.2, 2))  # a report that waited the period out
+    b.add(K, req(3.0 + GATHER / 2, 3))  # sent at 3.0, a few milliseconds in transit
+    (job,) = b.take_due(3.0 + GATHER)
+    assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2, 3]
+
+
+def test_the_gathering_moment_never_exceeds_round_wait() -> None:
+    b = Batcher(lambda semaphore: (0.01, 0.05))
+    b.add(K, req(0.0, 1))
+    b.take_due(0.01)
+    b.finished(K)
+    b.add(K, req(0.02, 2))
+    assert b.round_at(K) == 0.01 + 0.05 + 0.01
 
 
 def test_a_busy_key_waits_and_other_keys_do_not() -> None:
@@ -59,8 +79,8 @@ def test_batches_are_capped_and_the_rest_waits_for_the_next_round() -> None:
     (job,) = b.take_due(1.0)
     assert isinstance(job, Round) and len(job.requests) == 3
     b.finished(K)
-    assert b.round_at(K) == 3.0
-    (job,) = b.take_due(3.0)
+    assert b.round_at(K) == 3.0 + GATHER
+    (job,) = b.take_due(3.0 + GATHER)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [3, 4]
 
 
@@ -134,7 +154,7 @@ def test_the_next_round_is_spaced_from_the_time_the_round_recorded() -> None:
     b.take_due(1.0)
     b.finished(K, round_at=1.02)  # the round read its clock a little after it started
     b.add(K, req(1.5, 2))
-    assert b.round_at(K) == 1.02 + PERIOD
+    assert b.round_at(K) == 1.02 + PERIOD + GATHER
 
 
 def test_waiting_count_follows_adds_rounds_and_drops() -> None:
