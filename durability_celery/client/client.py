@@ -190,7 +190,10 @@ class SemaphoreClient:
         slot = (item.key, item.group)
         idle = self._idle.get(slot)
         while idle:
-            _, kept = idle.pop(0)  # expiry order: the one closest to going back first
+            # The most recently kept one: taking the oldest would renew every kept permit
+            # in turn, so a worker with more than its arrivals need would never give the
+            # surplus back (measured: 8 of 20 idle for 17 s while another worker waited).
+            _, kept = idle.pop()
             if not idle:
                 del self._idle[slot]
             if self._may_pass_on(kept, now):

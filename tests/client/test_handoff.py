@@ -383,3 +383,20 @@ def test_a_pool_with_no_room_still_asks_every_round_and_hears_over_limit() -> No
     client.on_response(KEY, reply(clock.now, over_limit=True, grants=[
         grant("g1", permits=2, claimed=2, claim_deadline=clock.now + 10)]))
     assert client.pass_on("run-0") is None, "a lowered limit bites as running items end"
+
+
+def test_the_permit_kept_last_is_reused_first_so_a_surplus_goes_back() -> None:
+    clock = FakeClock()
+    client = granted(clock, linger=1.0, permits=3)
+    for item in ("run-0", "run-1", "run-2"):  # all three end with nothing queued
+        assert client.pass_on(item) is None
+        clock.advance(0.3)
+    # One new item every 0.3 s from now on: one permit is enough for them.
+    for n in range(4):
+        client.enqueue(KEY, None, f"next-{n}", enqueued_at=clock.now)
+        (permit,) = client.admit()
+        assert permit.handed_off
+        clock.advance(0.3)
+        assert client.pass_on(permit.item_id) is None
+    client.due()  # the pump's sweep: kept past round_wait (linger) goes back
+    assert grant_reports(client.message(KEY)) == {"g1": (3, 2)}
