@@ -60,15 +60,16 @@ class SemaphoreClient:
                  claim_margin: float = 1.0, request_timeout: float = 5.0,
                  handoff_window: float = 0.0, handoff_linger: float = 0.0,
                  capacity: int | None = None, lease_idle: float | None = None,
+                 supersede_after: float | None = None, supersede_demand: bool = True,
                  clock: Callable[[], float] = time.time) -> None:
         if not isinstance(semaphore, str) or not semaphore:
             raise CallerError("semaphore must be a non-empty string")
         if not isinstance(client_id, str) or not client_id:
             raise CallerError("client_id must be a non-empty string")
-        if (min(claim_margin, handoff_window, handoff_linger, lease_idle or 0.0) < 0
-                or request_timeout <= 0):
-            raise CallerError("claim_margin, handoff_window, handoff_linger and lease_idle "
-                              "must be >= 0 and request_timeout > 0")
+        if (min(claim_margin, handoff_window, handoff_linger, lease_idle or 0.0,
+                supersede_after or 0.0) < 0 or request_timeout <= 0):
+            raise CallerError("claim_margin, handoff_window, handoff_linger, lease_idle and "
+                              "supersede_after must be >= 0 and request_timeout > 0")
         self.capacity = capacity
         self.semaphore = semaphore
         self.client_id = client_id
@@ -79,6 +80,17 @@ class SemaphoreClient:
         self.handoff_linger = float(handoff_linger)
         self.lease_idle = None if lease_idle is None else float(lease_idle)
         """Return a lease unused this long with nothing queued in its group (None: never)."""
+        self.supersede_after = None if supersede_after is None else float(supersede_after)
+        """Send a newer message this long after one still in flight, when there is news
+        for the round it waits in: more demand, or (contended) permits released since.
+        None: never (one message in flight per key, as in the spec). The holder holds a
+        request up to round_wait, so news sent within it joins the same round; the
+        holder takes each client's latest demand and highest reports of a round."""
+        self.supersede_demand = bool(supersede_demand)
+        """Count more demand as news (else only reports). Off where the semaphore issues
+        leases: the lease a key's first round issues serves the rest of a burst, and
+        asking for the burst would take the room that lease comes from (grants are
+        allocated first), leaving each worker a grant sized by who asked first."""
         self._clock = clock
         self._stopped = False
         self._seq = itertools.count()
@@ -349,11 +361,30 @@ class SemaphoreClient:
         for key, ledger in self._ledgers.items():
             # Uncovered items keep the key talking every round_period even when the pool
             # has no room to ask for more: a reply may say over_limit (stop handoffs).
-            demand = bool(self._uncovered(key, now)[0])
+            uncovered = self._uncovered(key, now)
             queued = set(self._queues.get(key, {}))
             yield key, ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
-                                     demand=demand, queued_groups=queued,
-                                     stopping=self._stopped)
+                                     demand=bool(uncovered[0]), queued_groups=queued,
+                                     stopping=self._stopped,
+                                     supersede_at=self._supersede_at(key, ledger, uncovered))
+
+    def _supersede_at(self, key: str, ledger: KeyLedger,
+                      uncovered: tuple[list[DemandEntry], int]) -> float | None:
+        """When to send news for the round the in-flight message waits in, if any.
+
+        A burst that arrives just after a key's first request, or permits freed
+        just after a contended worker asked, would otherwise wait a whole round
+        more: a worker asks once per round_period. Claims are news as releases
+        are: the holder must hear of them before their deadline, and a worker
+        killed before it tells would leave the holder to give them out again."""
+        sent = ledger.in_flight
+        if (sent is None or self.supersede_after is None or ledger.superseded is not None
+                or self._stopped):
+            return None
+        news = ledger.urgent and ledger.report_total() > sent.reported
+        if not news and self.supersede_demand:
+            news = sum(e.count for e in self._within_room(key, *uncovered)) > sent.asked
+        return sent.sent_at + self.supersede_after if news else None
 
     def _uncovered(self, key: str, now: float) -> tuple[list[DemandEntry], int]:
         """Per group: queued items minus the permits already held for them; and the sum
@@ -375,8 +406,11 @@ class SemaphoreClient:
         The room bounds each group on its own, not their sum: shared oldest first,
         a group the holder cannot serve (its ceiling, a failing group_limit) would
         take all of it and leave the others asking for nothing."""
-        wanted, held = self._uncovered(key, now)
-        if self._capacity is None or not self.handoff_window:
+        return self._within_room(key, *self._uncovered(key, now))
+
+    def _within_room(self, key: str, wanted: list[DemandEntry],
+                     held: int) -> tuple[DemandEntry, ...]:
+        if not wanted or self._capacity is None or not self.handoff_window:
             return tuple(wanted)
         running = sum(1 for p in self._admitted.values() if p.key == key)
         room = self._capacity - held - running
@@ -393,22 +427,39 @@ class SemaphoreClient:
         request = Request(type="request" if demand else "sync", client_id=self.client_id,
                           demand=demand, grants=grants, leases=leases,
                           supports_leases=self.supports_leases)
-        ledger.mark_sent(now)
+        ledger.mark_sent(now, asked=sum(e.count for e in demand))
         return request.to_wire(semaphore=self.semaphore, key=key)
 
-    def on_response(self, key: str, response: dict[str, Any]) -> None:
-        """A holder reply (or error reply) for `key`; a malformed one counts as a failure."""
+    def superseding(self, key: str) -> bool:
+        """The last message of `key` superseded one whose reply is still awaited."""
+        ledger = self._ledgers.get(key)
+        return ledger is not None and ledger.superseded is not None
+
+    def on_response(self, key: str, response: dict[str, Any], *,
+                    superseded: bool = False) -> None:
+        """A holder reply (or error reply) for `key`; a malformed one counts as a failure.
+
+        `superseded`: it answers a message that a newer one superseded (see
+        `supersede_after`); the newer one stays in flight. An error reply to it
+        changes nothing: the newer message carries everything it did."""
         now = self._clock()
         ledger = self._ledger(key)
         try:
             reply = parse_reply(response, semaphore=self.semaphore, key=key)
         except InvalidMessage as exc:
-            ledger.fail(now, f"malformed_reply: {exc}", cap=self.request_timeout)
+            if superseded:
+                ledger.superseded = None
+            else:
+                ledger.fail(now, f"malformed_reply: {exc}", cap=self.request_timeout)
             return
         if isinstance(reply, ErrorReply):
-            ledger.fail(now, f"{reply.code}: {reply.message}", cap=self.request_timeout)
+            if superseded:
+                ledger.superseded = None
+            else:
+                ledger.fail(now, f"{reply.code}: {reply.message}", cap=self.request_timeout)
             return
-        ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped)
+        ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped,
+                     superseded=superseded)
         if reply.contended:
             self._stop_idle_leases(key, ledger)
         self._sweep(now, recheck=True)

@@ -139,10 +139,14 @@ class LeaseCopy:
 
 @dataclass(frozen=True)
 class InFlight:
-    """The one message of a key that awaits its reply."""
+    """A message of a key that awaits its reply."""
 
     sent_at: float
     stopped_leases: frozenset[str]
+    asked: int = 0
+    """Items its demand asked for, over all groups."""
+    reported: int = 0
+    """What its reports added up to (see KeyLedger.report_total)."""
 
 
 @dataclass
@@ -157,6 +161,8 @@ class KeyLedger:
     over_limit: bool = False
     blocked: dict[str | None, Blocked] = field(default_factory=dict)
     in_flight: InFlight | None = None
+    superseded: InFlight | None = None
+    """An older message still in flight when `in_flight` was sent (see SemaphoreClient)."""
     last_sent_at: float | None = None
     failures: int = 0
     backoff_until: float = 0.0
@@ -176,17 +182,33 @@ class KeyLedger:
         late = tuple(r for g in self.grants.values() if (r := g.late_report()) is not None)
         return grants, leases + late
 
-    def mark_sent(self, now: float) -> None:
+    def mark_sent(self, now: float, *, asked: int = 0) -> None:
+        """A message goes out; one sent while another is in flight supersedes it, and
+        the oldest unanswered one is kept: its send time anchors deadlines safely."""
         stopped = frozenset(le.lease_id for le in self.leases.values() if le.stopped)
-        self.in_flight = InFlight(sent_at=now, stopped_leases=stopped)
+        if self.in_flight is not None and self.superseded is None:
+            self.superseded = self.in_flight
+        self.in_flight = InFlight(now, stopped, asked, self.report_total())
         self.last_sent_at = now
+
+    def report_total(self) -> int:
+        """Claims, draws, releases and stops, summed: it grows with every report to make.
+        (Forgetting a finished copy lowers it; that only hides news for a moment.)"""
+        return (sum(g.claimed + g.released for g in self.grants.values())
+                + sum(le.drawn + le.released + le.stopped for le in self.leases.values()))
+
+    @property
+    def urgent(self) -> bool:
+        """Others wait for what this client reports: the last reply was contended or
+        blocked. Reports then go out at once rather than at next_request_at."""
+        return self.contended or bool(self.blocked)
 
     def fail(self, now: float, reason: str, *, cap: float = BACKOFF_MAX) -> None:
         """The in-flight message failed: keep every copy, wait before the next attempt.
 
         The wait doubles per failure in a row, up to `cap`: a client that loses
         messages often must still ask again soon, or its queue stalls."""
-        self.in_flight = None
+        self.in_flight = self.superseded = None
         self.failures += 1
         wait = BACKOFF_BASE * 2 ** min(self.failures - 1, 16)
         self.backoff_until = now + min(cap, BACKOFF_MAX, wait)
@@ -194,13 +216,23 @@ class KeyLedger:
 
     # -- receiving -----------------------------------------------------------
 
-    def apply(self, reply: Reply, *, now: float, supports_leases: bool, stopped: bool) -> None:
-        """Fold a round's reply into the copies (also a late, repeated or reordered one)."""
-        in_flight = self.in_flight
-        sent_at = in_flight.sent_at if in_flight else self.last_sent_at
+    def apply(self, reply: Reply, *, now: float, supports_leases: bool, stopped: bool,
+              superseded: bool = False) -> None:
+        """Fold a round's reply into the copies (also a late, repeated or reordered one).
+
+        `superseded`: it answers the older message a newer one superseded; the
+        newer one stays in flight. A reply to the newer one answers both: it
+        lists every grant and lease, from a round no older than the other's."""
+        if superseded:
+            in_flight, self.superseded = self.superseded, None
+            sent_at = in_flight.sent_at if in_flight else self.last_sent_at
+        else:
+            in_flight = self.in_flight
+            oldest = self.superseded or in_flight
+            sent_at = oldest.sent_at if oldest else self.last_sent_at
+            self.in_flight = self.superseded = None
         anchor = min(reply.round_at, sent_at if sent_at is not None else now)
         latest = reply.round_at >= self.last_round_at
-        self.in_flight = None
         self.failures = 0
         self.backoff_until = 0.0
         self.last_error = None
@@ -323,21 +355,28 @@ class KeyLedger:
 
     @property
     def empty(self) -> bool:
-        return not self.grants and not self.leases and self.in_flight is None
+        return (not self.grants and not self.leases and self.in_flight is None
+                and self.superseded is None)
 
     # -- timing --------------------------------------------------------------
 
     def due_at(self, now: float, margin: float, *, timeout: float, demand: bool,
-               queued_groups: set[str | None], stopping: bool) -> float | None:
+               queued_groups: set[str | None], stopping: bool,
+               supersede_at: float | None = None) -> float | None:
         """Earliest local time this key should send a message (<= now: due), None: never.
 
         Reports wait for `next_request_at` unless others are waiting (the last
-        reply was contended or blocked) or the client is shutting down.
+        reply was contended or blocked) or the client is shutting down. While a
+        message is in flight, only its timeout or `supersede_at` (the client
+        has news for the round it waits for) makes the key due.
         """
         if self.in_flight is not None:
-            return self.in_flight.sent_at + timeout
+            at = self.in_flight.sent_at + timeout
+            if supersede_at is not None and self.superseded is None:
+                at = min(at, max(supersede_at, self.backoff_until))
+            return at
         gate = max(self.next_request_at, self.backoff_until)
-        urgent = self.contended or bool(self.blocked) or stopping
+        urgent = self.urgent or stopping
         prompt = self.backoff_until if urgent else gate
         times = [gate] if demand else []
         for g in self.grants.values():

@@ -75,6 +75,8 @@ class Hooks:
 class _InFlight:
     correlation_id: str
     sent_at: float
+    superseded: str | None = None
+    """The correlation id of the older message this one superseded, still answered."""
 
 
 @dataclass
@@ -298,9 +300,14 @@ class Gate:
             for key in client.due():
                 correlation_id = f"{self._correlation_prefix}-{next(self._correlation)}"
                 body = client.message(key)
-                # Only the newest message per key is awaited; a late reply to an
-                # older one is dropped (the next reply lists every grant anyway).
-                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now)
+                # The newest message per key is awaited, and the one it superseded (see
+                # SemaphoreClient.supersede_after); a late reply to any older one is
+                # dropped: the next reply lists every grant and lease anyway.
+                previous = self.state.in_flight.get((name, key))
+                superseded = None
+                if previous is not None and client.superseding(key):
+                    superseded = previous.superseded or previous.correlation_id
+                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now, superseded)
                 out.append(Outgoing(name, key, correlation_id, body))
         return out
 
@@ -316,16 +323,22 @@ class Gate:
         """A reply from a holder; False if it answers no message we still await."""
         with self.lock:
             match = next((sk for sk, f in self.state.in_flight.items()
-                          if f.correlation_id == correlation_id), None)
+                          if correlation_id in (f.correlation_id, f.superseded)), None)
             if match is None:
                 return False
-            del self.state.in_flight[match]
             semaphore, key = match
             client = self.clients[semaphore]
-            if isinstance(body, dict):
-                client.on_response(key, body)
+            waiting = self.state.in_flight[match]
+            if correlation_id == waiting.superseded:
+                waiting.superseded = None
+                if isinstance(body, dict):  # an unreadable one: the newer one carries it all
+                    client.on_response(key, body, superseded=True)
             else:
-                client.on_failure(key)
+                del self.state.in_flight[match]
+                if isinstance(body, dict):
+                    client.on_response(key, body)
+                else:
+                    client.on_failure(key)
         self.hooks.wake()
         return True
 

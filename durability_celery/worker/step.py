@@ -101,7 +101,11 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                                request_timeout=settings.request_timeout,
                                handoff_window=semaphore.handoff_window,
                                handoff_linger=config.round_wait,
-                               lease_idle=config.leases.idle if config.leases else None)
+                               lease_idle=config.leases.idle if config.leases else None,
+                               # News sent by then reaches the holder within the
+                               # round_wait it holds the first request of a round for.
+                               supersede_after=config.round_wait / 2,
+                               supersede_demand=config.leases is None)
 
     def _hooks(self, c: Any) -> Hooks:
         real_on_task_request = c.on_task_request
