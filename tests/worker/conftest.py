@@ -104,18 +104,35 @@ class Cluster:
                 pytest.fail(f"timed out waiting for {what}: {context()}\n{logs}", pytrace=False)
             time.sleep(0.1)
 
+    def permits_heard(self, worker: str) -> int:
+        """Grant claims and lease draws of `worker` (a node name) that the holder has heard."""
+        from sqlalchemy import text
+
+        pattern = {"client": worker.replace("%", r"\%").replace("_", r"\_") + "/%"}
+        with self.semaphore.engine.connect() as connection:
+            return sum(int(connection.execute(text(
+                f"SELECT COALESCE(SUM({column}), 0) FROM durability_semaphore_{table} "
+                "WHERE client_id LIKE :client ESCAPE '\\'"), pattern).scalar_one())
+                for table, column in (("grants", "claimed"), ("leases", "drawn")))
+
     def usage_zero(self, key: str) -> bool:
         usage = self.semaphore.usage(key)
         return usage.outstanding == 0 and usage.lease_footprint == 0
 
     def busy_worker(self, *, timeout: float = 20) -> Proc:
-        """Wait for a client worker that runs one admitted task and holds another;
-        returns its process (the victim of the crash tests)."""
+        """Wait for a client worker that runs one admitted task and holds another, and
+        whose permits the holder has heard it use; returns its process (the victim of
+        the crash tests).
+
+        Killed before its claims reach the holder, a worker's tasks die unheard of,
+        and the holder rightly gives their permits out again at the claim deadline,
+        while the ledger would count them as running forever."""
         victim: list[str] = []
 
         def one_worker_runs_and_holds() -> bool:
             for name, reply in self.inspect_held().items():
-                if name.startswith("client") and reply["running"] >= 1 and reply["held"] >= 1:
+                if (name.startswith("client") and reply["running"] >= 1 and reply["held"] >= 1
+                        and self.permits_heard(name) >= reply["running"]):
                     victim[:] = [name]
                     return True
             return False
