@@ -20,6 +20,7 @@ from ..holder.queues import reply_queue_declaration, safe_queue_part
 from ..routing import reply_queue
 from ..semaphore import DurabilitySemaphore
 from .gate import Gate, Hooks, Outgoing
+from .teardown import guard_connection_loss
 from .visibility import log_summary
 
 logger = logging.getLogger("durability_celery.worker")
@@ -29,9 +30,10 @@ HELD_PER_SLOT = 4
 that key's next round (1-3 s), so a worker serving many keys on grants alone runs at
 most about max_held tasks per round trip (docs/benchmarks.md, section 1: 16 keys of
 no-op tasks on a pool of 4 ran 14-18 tasks/s with 16 held, 0.75-0.78 of plain Celery
-with 128). Not raised by default: with 32 per slot, a Redis restart while messages
-were held crashed the worker in kombu (restore of unacked messages on a transport
-already closed, tests/faults/test_services.py), every time in 6 runs."""
+with 128). Not raised by default: a worker holds messages it cannot run yet, and the
+more it holds, the more of a contended key's work waits on a worker without permits
+while another worker's permits go idle. (A larger hold also made a Redis restart
+crash the worker in kombu every time; guard_connection_loss fixes that.)"""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
 SUMMARY_INTERVAL = 30.0
@@ -86,6 +88,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         # The strategy of AdmittedTask finds the gate here (strategy.py).
         c.durability_gate = self.gate
         c.durability_step = self
+        guard_connection_loss(c)
         from .install import register_step  # install imports this module
 
         register_step(self)

@@ -23,11 +23,15 @@ def ended(cluster: FaultCluster) -> int:
     return len(cluster.ends())
 
 
+@pytest.mark.parametrize("max_held", [None, 64], ids=["default-hold", "large-hold"])
 def test_broker_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
-                                private_redis: PrivateRedis) -> None:
+                                private_redis: PrivateRedis, max_held: int | None) -> None:
+    # With a hold larger than what runs, the task channel is always waiting on BRPOP
+    # with unacked (held) messages when Redis dies: Celery 5.7 then closed it twice
+    # and the second close crashed the worker (step.py, guard_connection_loss).
     cluster = fault_cluster(
         limits=LIMITS, broker_url=private_redis.url(),
-        settings={"hold_deadline": 4},
+        settings={"hold_deadline": 4, "max_held": max_held},
         transport={"visibility_timeout": 8, "unacked_restore_interval": 1,
                    "unacked_restore_throttle": 1})
     cluster.start(clients=2, pool="threads", concurrency=2)
