@@ -3,10 +3,12 @@
 # the beat task on the app, and every role finds its configuration here.
 from __future__ import annotations
 
+import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from .client import SemaphoreClient
 from .errors import ConfigurationError
 from .routing import control_queue, holder_queue, shard_for
 from .semaphore import DurabilitySemaphore
@@ -68,6 +70,20 @@ class Durability:
         except KeyError:
             known = ", ".join(sorted(self.semaphores)) or "none"
             raise ConfigurationError(f"unknown semaphore {name!r} (configured: {known})") from None
+
+    def semaphore_client(self, name: str, *, client_id: str, request_timeout: float | None = None,
+               clock: Callable[[], float] = time.time, **options: Any) -> SemaphoreClient:
+        """A client of semaphore `name` with these settings: lease support, the claim
+        margin of its grant_timeout, its lease idle time. `options` go to
+        SemaphoreClient (the worker gate adds handoff and capacity)."""
+        semaphore = self.semaphore(name)
+        config, settings = semaphore.config, self.settings
+        return SemaphoreClient(
+            name, client_id=client_id, supports_leases=settings.supports_leases,
+            claim_margin=settings.claim_margin_for(config.grant_timeout),
+            request_timeout=settings.request_timeout if request_timeout is None
+            else request_timeout,
+            lease_idle=config.leases.idle if config.leases else None, clock=clock, **options)
 
     def queue_for(self, semaphore: str, key: str) -> str:
         """The holder queue that serves (semaphore, key)."""

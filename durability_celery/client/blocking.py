@@ -18,7 +18,7 @@ from kombu.messaging import Consumer
 from ..errors import InfrastructureError, RequestTimeout
 from ..holder.queues import holder_queue_declaration, reply_queue_declaration, safe_queue_part
 from ..routing import reply_queue
-from .client import Permit, SemaphoreClient
+from .client import Permit
 
 logger = logging.getLogger("durability_celery.client")
 
@@ -37,19 +37,14 @@ class BlockingClient:
 
         durability = (app_or_durability if isinstance(app_or_durability, Durability)
                       else durability_for(app_or_durability))
-        semaphore = durability.semaphore(semaphore_name)  # ConfigurationError naming the known
         settings = durability.settings
         self._durability = durability
         self.semaphore = semaphore_name
         self.timeout = float(timeout)
         self.client_id = client_id or f"{socket.gethostname()}/{uuid.uuid4().hex[:12]}"
         self._clock = clock
-        self.client = SemaphoreClient(
-            semaphore_name, client_id=self.client_id, supports_leases=settings.supports_leases,
-            claim_margin=settings.claim_margin_for(semaphore.config.grant_timeout),
-            request_timeout=self.timeout, clock=clock,
-            lease_idle=semaphore.config.leases.idle if semaphore.config.leases else None,
-        )
+        self.client = durability.semaphore_client(
+            semaphore_name, client_id=self.client_id, request_timeout=self.timeout, clock=clock)
         # A random suffix: two clients given the same client_id must not share replies.
         self.reply_queue = reply_queue(
             settings.queue_prefix, f"{safe_queue_part(self.client_id)}.{uuid.uuid4().hex[:8]}"

@@ -94,21 +94,16 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         register_step(self)
 
     def _client(self, name: str, semaphore: DurabilitySemaphore) -> SemaphoreClient:
-        settings, config = self.durability.settings, semaphore.config
+        config = semaphore.config
         # A permit whose task ended with nothing queued waits up to round_wait for the
         # next task of its key and group: given back, it would reach another worker
         # no sooner than a round, which waits round_wait for its batch anyway.
-        return SemaphoreClient(name, client_id=self.client_id,
-                               supports_leases=settings.supports_leases,
-                               claim_margin=settings.claim_margin_for(config.grant_timeout),
-                               request_timeout=settings.request_timeout,
-                               handoff_window=semaphore.handoff_window,
-                               handoff_linger=config.round_wait,
-                               lease_idle=config.leases.idle if config.leases else None,
-                               # News sent by then reaches the holder within the
-                               # round_wait it holds the first request of a round for.
-                               supersede_after=config.round_wait / 2,
-                               supersede_demand=config.leases is None)
+        return self.durability.semaphore_client(
+            name, client_id=self.client_id, handoff_window=semaphore.handoff_window,
+            handoff_linger=config.round_wait,
+            # News sent by then reaches the holder within the round_wait it holds the
+            # first request of a round for.
+            supersede_after=config.round_wait / 2, supersede_demand=config.leases is None)
 
     def _hooks(self, c: Any) -> Hooks:
         real_on_task_request = c.on_task_request
