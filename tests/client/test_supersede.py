@@ -22,6 +22,19 @@ def _enqueue(client: Any, *ids: str, at: float = 1.0) -> None:
         client.enqueue(KEY, None, item, enqueued_at=at)
 
 
+def _two_in_flight(clock: FakeClock) -> tuple[Any, float]:
+    """A client whose request for t1 is in flight, superseded by one for t1 and t2;
+    and when the first was sent."""
+    client = _client(clock)
+    _enqueue(client, "t1")
+    client.message(KEY)
+    first_sent = clock.now
+    _enqueue(client, "t2")
+    clock.advance(AFTER)
+    client.message(KEY)
+    return client, first_sent
+
+
 def test_a_burst_after_the_first_request_is_sent_once_within_the_round() -> None:
     clock = FakeClock()
     client = _client(clock)
@@ -54,14 +67,20 @@ def test_without_news_or_without_the_setting_only_the_timeout_makes_it_due() -> 
         assert client.next_due_at() == clock.now - AFTER + client.request_timeout
 
 
+def _granted(clock: FakeClock, *, permits: int, contended: bool) -> Any:
+    """A client that asked for t1 and got grant g1 of `permits`."""
+    client = _client(clock)
+    _enqueue(client, "t1")
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, contended=contended, grants=[
+        grant("g1", permits=permits, claim_deadline=clock.now + 10)]))
+    return client
+
+
 def test_releases_and_claims_are_news_only_when_others_wait() -> None:
     for contended in (False, True):
         clock = FakeClock()
-        client = _client(clock)
-        _enqueue(client, "t1")
-        client.message(KEY)
-        client.on_response(KEY, reply(clock.now, contended=contended, grants=[
-            grant("g1", permits=1, claim_deadline=clock.now + 10)]))
+        client = _granted(clock, permits=1, contended=contended)
         client.admit()
         client.message(KEY)  # reports the claim; nothing more to ask for
         client.release("t1")
@@ -70,11 +89,7 @@ def test_releases_and_claims_are_news_only_when_others_wait() -> None:
         if contended:
             assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
     clock = FakeClock()
-    client = _client(clock)
-    _enqueue(client, "t1")
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, contended=True, grants=[
-        grant("g1", permits=2, claim_deadline=clock.now + 10)]))
+    client = _granted(clock, permits=2, contended=True)
     client.message(KEY)  # sent before the claim below: it does not carry it
     client.admit()
     clock.advance(AFTER)
@@ -84,13 +99,7 @@ def test_releases_and_claims_are_news_only_when_others_wait() -> None:
 
 def test_the_superseded_reply_folds_in_and_the_newer_message_stays_in_flight() -> None:
     clock = FakeClock()
-    client = _client(clock)
-    _enqueue(client, "t1")
-    client.message(KEY)
-    first_sent = clock.now
-    _enqueue(client, "t2")
-    clock.advance(AFTER)
-    client.message(KEY)
+    client, first_sent = _two_in_flight(clock)
     clock.advance(0.5)
     round_at = clock.now
     # Both messages were in one round: both replies carry the same grant.
@@ -108,13 +117,7 @@ def test_the_superseded_reply_folds_in_and_the_newer_message_stays_in_flight() -
 
 def test_a_reply_to_the_newer_message_answers_both() -> None:
     clock = FakeClock()
-    client = _client(clock)
-    _enqueue(client, "t1")
-    client.message(KEY)
-    first_sent = clock.now
-    _enqueue(client, "t2")
-    clock.advance(AFTER)
-    client.message(KEY)
+    client, first_sent = _two_in_flight(clock)
     client.on_response(KEY, reply(clock.now, grants=[
         grant("g1", permits=2, claim_deadline=clock.now + 10)]))
     assert not client.superseding(KEY)
@@ -127,12 +130,7 @@ def test_a_reply_to_the_newer_message_answers_both() -> None:
 
 def test_an_error_reply_to_the_superseded_message_changes_nothing() -> None:
     clock = FakeClock()
-    client = _client(clock)
-    _enqueue(client, "t1")
-    client.message(KEY)
-    _enqueue(client, "t2")
-    clock.advance(AFTER)
-    client.message(KEY)
+    client, _ = _two_in_flight(clock)
     for bad in (error(), {"v": 1, "garbage": True}):
         client.on_response(KEY, bad, superseded=True)
         ledger = client._ledgers[KEY]
