@@ -71,8 +71,10 @@ class Durability:
             known = ", ".join(sorted(self.semaphores)) or "none"
             raise ConfigurationError(f"unknown semaphore {name!r} (configured: {known})") from None
 
-    def semaphore_client(self, name: str, *, client_id: str, request_timeout: float | None = None,
-               clock: Callable[[], float] = time.time, **options: Any) -> SemaphoreClient:
+    def semaphore_client(self, name: str, *, client_id: str,
+                         request_timeout: float | None = None,
+                         clock: Callable[[], float] = time.time,
+                         **options: Any) -> SemaphoreClient:
         """A client of semaphore `name` with these settings: lease support, the claim
         margin of its grant_timeout, its lease idle time. `options` go to
         SemaphoreClient (the worker gate adds handoff and capacity)."""

@@ -447,16 +447,12 @@ class SemaphoreClient:
         try:
             reply = parse_reply(response, semaphore=self.semaphore, key=key)
         except InvalidMessage as exc:
-            if superseded:
-                ledger.superseded = None
-            else:
-                ledger.fail(now, f"malformed_reply: {exc}", cap=self.request_timeout)
+            ledger.fail(now, f"malformed_reply: {exc}", cap=self.request_timeout,
+                        superseded=superseded)
             return
         if isinstance(reply, ErrorReply):
-            if superseded:
-                ledger.superseded = None
-            else:
-                ledger.fail(now, f"{reply.code}: {reply.message}", cap=self.request_timeout)
+            ledger.fail(now, f"{reply.code}: {reply.message}", cap=self.request_timeout,
+                        superseded=superseded)
             return
         ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped,
                      superseded=superseded)
@@ -470,9 +466,11 @@ class SemaphoreClient:
             if lease.group not in self._queues.get(key, {}):
                 lease.stop()
 
-    def on_failure(self, key: str) -> None:
-        """The in-flight message failed or timed out: retry after backoff."""
-        self._ledger(key).fail(self._clock(), "failed", cap=self.request_timeout)
+    def on_failure(self, key: str, *, superseded: bool = False) -> None:
+        """The in-flight message failed or timed out: retry after backoff.
+        `superseded`: the older one a newer message superseded; nothing else changes."""
+        self._ledger(key).fail(self._clock(), "failed", cap=self.request_timeout,
+                               superseded=superseded)
 
     def stop(self) -> None:
         """Shutdown: stop every lease (reported stopped=true); admit nothing more."""

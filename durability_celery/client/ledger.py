@@ -203,11 +203,17 @@ class KeyLedger:
         blocked. Reports then go out at once rather than at next_request_at."""
         return self.contended or bool(self.blocked)
 
-    def fail(self, now: float, reason: str, *, cap: float = BACKOFF_MAX) -> None:
+    def fail(self, now: float, reason: str, *, cap: float = BACKOFF_MAX,
+             superseded: bool = False) -> None:
         """The in-flight message failed: keep every copy, wait before the next attempt.
 
         The wait doubles per failure in a row, up to `cap`: a client that loses
-        messages often must still ask again soon, or its queue stalls."""
+        messages often must still ask again soon, or its queue stalls.
+        `superseded`: only the older message a newer one superseded failed; the
+        newer one carries everything it did, so nothing else changes."""
+        if superseded:
+            self.superseded = None
+            return
         self.in_flight = self.superseded = None
         self.failures += 1
         wait = BACKOFF_BASE * 2 ** min(self.failures - 1, 16)

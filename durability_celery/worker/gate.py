@@ -335,16 +335,15 @@ class Gate:
             semaphore, key = match
             client = self.clients[semaphore]
             waiting = self.state.in_flight[match]
-            if correlation_id == waiting.superseded:
+            superseded = correlation_id == waiting.superseded
+            if superseded:
                 waiting.superseded = None
-                if isinstance(body, dict):  # an unreadable one: the newer one carries it all
-                    client.on_response(key, body, superseded=True)
             else:
                 del self.state.in_flight[match]
-                if isinstance(body, dict):
-                    client.on_response(key, body)
-                else:
-                    client.on_failure(key)
+            if isinstance(body, dict):
+                client.on_response(key, body, superseded=superseded)
+            else:
+                client.on_failure(key, superseded=superseded)
         self.hooks.wake()
         return True
 
