@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from ..core.messages import DemandEntry, Request
+from ..core.messages import MAX_QUEUED_AT, DemandEntry, Request
 from ..errors import CallerError, InvalidMessage
 from .ledger import GrantCopy, KeyLedger, LeaseCopy
 from .replies import ErrorReply, parse_reply
@@ -396,8 +396,10 @@ class SemaphoreClient:
             held = self._held_permits(key, group, now)
             held_in_all += held
             if len(queue) > held:
-                # The oldest item the held permits will not cover is the demand's age.
-                wanted.append(DemandEntry(group, len(queue) - held, queue[held][0]))
+                # The oldest item the held permits will not cover is the demand's age;
+                # the holder gives permits to the oldest items across clients.
+                ages = tuple(order[0] for order in queue[held:held + MAX_QUEUED_AT])
+                wanted.append(DemandEntry(group, len(queue) - held, ages[0], ages))
         return wanted, held_in_all
 
     def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
@@ -416,7 +418,7 @@ class SemaphoreClient:
         room = self._capacity - held - running
         if room <= 0:
             return ()
-        return tuple(replace(e, count=min(e.count, room)) for e in wanted)
+        return tuple(e.capped(room) for e in wanted)
 
     def message(self, key: str) -> dict[str, Any]:
         """Build a request (demand + reports) or a sync (reports only); mark it in flight."""

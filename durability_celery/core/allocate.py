@@ -1,11 +1,12 @@
-# Allocation of one round: grants to the oldest demand first, under the key's
+# Allocation of one round: grants to the oldest queued items first, under the key's
 # limit and each group's ceiling, then leases from what the provisioning mode
 # leaves, shared equally among eligible candidates. Also says why demand that
 # stays queued is blocked. Pure: reads the ledger, returns new grants and leases.
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .config import Leases, Over, RoundConfig, Under
@@ -148,28 +149,48 @@ def _grant(
     now: float,
     new_id: Callable[[], str],
 ) -> dict[Pair, int]:
+    """Grants item by item, oldest first across all demands (see DemandEntry.runs).
+
+    A demand that lists no enqueue times is one run at its oldest_at, which is
+    the spec's whole-demand order. Once a demand is cut short, its younger
+    items wait too: oldest first within a (client, group) as across them."""
     left: dict[Pair, int] = {}
-    for d in ordered:
-        count, group = d.entry.count, d.entry.group
+    runs: list[tuple[float, int, int, Iterator[tuple[float, int]]]] = []
+    for index, d in enumerate(ordered):
+        count = left[d.pair] = d.entry.count
         refusal = _refusal(limits, d)
         if count == 0 or refusal is not None:
-            left[d.pair] = count
             if count:
                 result.unmet[d.pair] = (count, refusal or "limit")
             continue
+        rest = d.entry.runs()
+        at, items = next(rest)
+        runs.append((at, index, items, rest))
+    heapq.heapify(runs)
+    while runs:
+        _, index, items, rest = heapq.heappop(runs)
+        d = ordered[index]
+        group = d.entry.group
         pool = room.for_grants(config.leases)
         group_room = room.for_group(limits.group_limit(group), group)
-        give = min(count, pool) if group_room is None else min(count, pool, group_room)
+        give = min(items, pool) if group_room is None else min(items, pool, group_room)
+        room.grants_out += give
+        room.group_used[group] += give
+        left[d.pair] -= give
+        if give < items:
+            bound_by_group = group_room is not None and group_room < min(items, pool)
+            result.unmet[d.pair] = (left[d.pair], "group_limit" if bound_by_group else "limit")
+            continue
+        following = next(rest, None)
+        if following is not None:
+            heapq.heappush(runs, (following[0], index, following[1], rest))
+    for d in ordered:
+        give = d.entry.count - left[d.pair]
         if give > 0:
             result.grants.append(
-                Grant(new_id(), d.client_id, group, give, 0, 0, now, now + config.grant_timeout)
+                Grant(new_id(), d.client_id, d.entry.group, give, 0, 0, now,
+                      now + config.grant_timeout)
             )
-            room.grants_out += give
-            room.group_used[group] += give
-        left[d.pair] = count - give
-        if count > give:
-            bound_by_group = group_room is not None and group_room < min(count, pool)
-            result.unmet[d.pair] = (count - give, "group_limit" if bound_by_group else "limit")
     return left
 
 

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import Any, Literal
 
 from ..errors import InvalidMessage
@@ -15,6 +16,8 @@ VERSION = 1
 MAX_ID_LENGTH = 200
 MAX_ENTRIES = 10_000
 """Most demand entries, grant reports or lease reports one message may carry."""
+MAX_QUEUED_AT = 256
+"""Most enqueue times one demand entry may list (its oldest items)."""
 
 BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
 
@@ -26,6 +29,26 @@ class DemandEntry:
     group: str | None
     count: int
     oldest_at: float
+    queued_at: tuple[float, ...] = ()
+    """Enqueue times of the oldest items, oldest first (optional; the first is
+    `oldest_at`). Grants go to the oldest items across clients, not to whole
+    demands: two workers fed by one broker both hold old work, and giving the
+    oldest demand all of it left the other worker's slots empty."""
+
+    def runs(self) -> Iterator[tuple[float, int]]:
+        """(enqueued_at, items) oldest first: the listed items one by one, then the
+        rest at the last listed time (all of them at `oldest_at` if none is listed)."""
+        listed = self.queued_at[:-1]
+        yield from ((at, 1) for at in listed)
+        if self.count > len(listed):
+            yield (self.queued_at[-1] if self.queued_at else self.oldest_at,
+                   self.count - len(listed))
+
+    def capped(self, count: int) -> DemandEntry:
+        """The same entry asking for at most `count` (its oldest items)."""
+        if count >= self.count:
+            return self
+        return replace(self, count=count, queued_at=self.queued_at[:count])
 
 
 @dataclass(frozen=True)
@@ -74,10 +97,16 @@ class Request:
             "supports_leases": self.supports_leases,
         }
         if self.type == "request":
-            message["demand"] = [
-                {"group": d.group, "count": d.count, "oldest_at": d.oldest_at} for d in self.demand
-            ]
+            message["demand"] = [_demand_wire(d) for d in self.demand]
         return message
+
+
+def _demand_wire(entry: DemandEntry) -> dict[str, Any]:
+    wire: dict[str, Any] = {"group": entry.group, "count": entry.count,
+                            "oldest_at": entry.oldest_at}
+    if entry.queued_at:
+        wire["queued_at"] = list(entry.queued_at)
+    return wire
 
 
 def error_response(exc: InvalidMessage) -> dict[str, Any]:
@@ -138,8 +167,22 @@ def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
         seen.add(group)
         count = _count(_field(raw, "count", where), f"{where}count")
         oldest_at = _time(_field(raw, "oldest_at", where), f"{where}oldest_at")
-        demand.append(DemandEntry(group, count, oldest_at))
+        queued_at = _queued_at(raw.get("queued_at", []), f"{where}queued_at", count, oldest_at)
+        demand.append(DemandEntry(group, count, oldest_at, queued_at))
     return tuple(demand)
+
+
+def _queued_at(value: Any, field: str, count: int, oldest_at: float) -> tuple[float, ...]:
+    if not isinstance(value, list):
+        raise InvalidMessage(field, "must be a list")
+    if len(value) > min(count, MAX_QUEUED_AT):
+        raise InvalidMessage(field, f"lists more than count or {MAX_QUEUED_AT} times")
+    times = tuple(_time(at, f"{field}[{i}]") for i, at in enumerate(value))
+    if times and times[0] != oldest_at:
+        raise InvalidMessage(field, "must start at oldest_at")
+    if any(later < earlier for earlier, later in pairwise(times)):
+        raise InvalidMessage(field, "must be oldest first")
+    return times
 
 
 def _grant_reports(message: Mapping[str, Any]) -> tuple[GrantReport, ...]:

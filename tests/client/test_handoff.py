@@ -311,7 +311,10 @@ def test_with_handoff_demand_asks_for_no_more_than_the_pool_can_run() -> None:
     client.capacity = 4
     # Two run (their permits pass on to q0 and q1): room for two more, in each group,
     # so that a group the holder cannot serve never leaves another asking for nothing.
-    assert demand(client.message(KEY)) == {"wf": (1, 5.0), None: (2, 10.0)}
+    message = client.message(KEY)
+    assert demand(message) == {"wf": (1, 5.0), None: (2, 10.0)}
+    ages = {e["group"]: e["queued_at"] for e in message["demand"]}
+    assert ages == {"wf": [5.0], None: [10.0, 11.0]}, "the oldest items within the room"
     client.on_response(KEY, reply(clock.now, grants=[
         grant("g1", permits=2, claimed=2, claim_deadline=clock.now + 10),
         grant("g2", permits=1, claim_deadline=clock.now + 10)]))

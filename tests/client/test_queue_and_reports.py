@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from durability_celery.core.messages import parse_request
+from durability_celery.core.messages import MAX_QUEUED_AT, parse_request
 from durability_celery.errors import CallerError
 
 from .helpers import (
@@ -69,6 +69,31 @@ def test_first_message_is_a_valid_request_with_demand_and_then_in_flight() -> No
     # One message in flight per key: nothing more is due until it is answered.
     assert client.due() == []
     assert client.next_due_at() == clock.now + client.request_timeout == clock.now + 5.0
+
+
+def test_demand_lists_the_uncovered_items_enqueue_times_oldest_first() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i, at in enumerate([3.0, 1.0, 2.0, 4.0]):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=at)
+    [entry] = client.message(KEY)["demand"]
+    assert entry["queued_at"] == [1.0, 2.0, 3.0, 4.0]
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=2, claim_deadline=clock.now + 10)]))
+    # The two permits cover the two oldest items; the holder hears of the others.
+    [entry] = client.message(KEY)["demand"]
+    assert (entry["count"], entry["oldest_at"], entry["queued_at"]) == (2, 3.0, [3.0, 4.0])
+
+
+def test_a_long_queue_lists_its_oldest_items_only() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    for i in range(MAX_QUEUED_AT + 44):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    message = client.message(KEY)
+    [entry] = parse_request(message, semaphore=SEM, key=KEY).demand
+    assert entry.count == MAX_QUEUED_AT + 44
+    assert entry.queued_at == tuple(float(i) for i in range(MAX_QUEUED_AT))
 
 
 def test_admit_claims_grant_permits_oldest_first_and_deducts_demand() -> None:

@@ -36,6 +36,50 @@ def test_arrival_order_breaks_ties(make_semaphore: Any) -> None:
     assert (granted(first), granted(second)) == (2, 1)
 
 
+def aged(message: dict[str, Any], *ages: list[float]) -> dict[str, Any]:
+    """`message` with each demand entry listing its items' enqueue times."""
+    for entry, times in zip(message["demand"], ages, strict=True):
+        entry["queued_at"] = times
+    return message
+
+
+def test_listed_items_are_granted_oldest_first_across_clients(make_semaphore: Any) -> None:
+    # Two workers fed by one broker hold interleaved work: the oldest items win,
+    # wherever they are queued, not the demand whose first item is oldest.
+    sem = make_semaphore(Limits(4))
+    first, second = sem.run_round(KEY, [
+        aged(request("a", [(None, 4, 10.0)]), [10.0, 30.0, 50.0, 70.0]),
+        aged(request("b", [(None, 4, 20.0)]), [20.0, 40.0, 60.0, 80.0]),
+    ], now=T0)
+    assert (granted(first), granted(second)) == (2, 2)
+    assert blocked(first) == blocked(second) == {None: ("limit", 2)}
+
+
+def test_unlisted_items_count_at_the_last_listed_time(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(5))
+    first, second, whole = sem.run_round(KEY, [
+        aged(request("a", [(None, 4, 10.0)]), [10.0, 30.0]),  # 10, 30, 30, 30
+        aged(request("b", [(None, 2, 20.0)]), [20.0, 31.0]),
+        request("c", [(None, 3, 25.0)]),  # no times: all three at 25
+    ], now=T0)
+    # 10 (a), 20 (b), 25 x 3 (c): the limit is reached before a's items at 30.
+    assert (granted(first), granted(second), granted(whole)) == (1, 1, 3)
+
+
+def test_a_group_ceiling_cuts_one_demand_short_and_younger_items_go_on(
+    make_semaphore: Any,
+) -> None:
+    sem = make_semaphore(Limits(10, groups={"w": 2}))
+    first, second = sem.run_round(KEY, [
+        aged(request("a", [("w", 3, 10.0), (None, 2, 40.0)]), [10.0, 11.0, 12.0], [40.0, 41.0]),
+        aged(request("b", [("w", 2, 20.0)]), [20.0, 21.0]),
+    ], now=T0)
+    by_group = {g["group"]: g["permits"] for g in first["grants"]}
+    assert by_group == {"w": 2, None: 2} and granted(second) == 0
+    assert blocked(first) == {"w": ("group_limit", 1)}
+    assert blocked(second) == {"w": ("group_limit", 2)}
+
+
 def test_uncontended_round_grants_everything(make_semaphore: Any) -> None:
     sem = make_semaphore(Limits(10))
     (reply,) = sem.run_round(KEY, [request("a", [("w", 3, 1.0), (None, 2, 2.0)])], now=T0)
