@@ -386,9 +386,11 @@ class SemaphoreClient:
             news = sum(e.count for e in self._within_room(key, *uncovered)) > sent.asked
         return sent.sent_at + self.supersede_after if news else None
 
-    def _uncovered(self, key: str, now: float) -> tuple[list[DemandEntry], int]:
+    def _uncovered(self, key: str, now: float, *,
+                   ages: bool = False) -> tuple[list[DemandEntry], int]:
         """Per group: queued items minus the permits already held for them; and the sum
-        of those held permits (claimable, drawable or kept idle)."""
+        of those held permits (claimable, drawable or kept idle). `ages`: list the
+        uncovered items' enqueue times (for a message; every pump asks without)."""
         if self._stopped:
             return [], 0
         wanted, held_in_all = [], 0
@@ -398,8 +400,8 @@ class SemaphoreClient:
             if len(queue) > held:
                 # The oldest item the held permits will not cover is the demand's age;
                 # the holder gives permits to the oldest items across clients.
-                ages = tuple(order[0] for order in queue[held:held + MAX_QUEUED_AT])
-                wanted.append(DemandEntry(group, len(queue) - held, ages[0], ages))
+                listed = tuple(o[0] for o in queue[held:held + MAX_QUEUED_AT]) if ages else ()
+                wanted.append(DemandEntry(group, len(queue) - held, queue[held][0], listed))
         return wanted, held_in_all
 
     def _demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
@@ -408,7 +410,7 @@ class SemaphoreClient:
         The room bounds each group on its own, not their sum: shared oldest first,
         a group the holder cannot serve (its ceiling, a failing group_limit) would
         take all of it and leave the others asking for nothing."""
-        return self._within_room(key, *self._uncovered(key, now))
+        return self._within_room(key, *self._uncovered(key, now, ages=True))
 
     def _within_room(self, key: str, wanted: list[DemandEntry],
                      held: int) -> tuple[DemandEntry, ...]:
