@@ -73,6 +73,23 @@ def stop_process(proc: subprocess.Popen[bytes], *, grace: float = 15.0) -> None:
         pass
 
 
+def session_cpu(session: int) -> float:
+    """CPU seconds (user + system) of the live processes of one session: a worker
+    started here leads its own session, so this is it and its pool children."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) == session:  # fields from state on: session is the 6th stat field
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class Cluster:
     """A running holder and client workers; the driver publishes through `app`."""
 
@@ -80,6 +97,13 @@ class Cluster:
         self.config = config
         self.app, self.durability = make_app(config)
         self.ledger = redis.Redis.from_url(config["ledger_url"], decode_responses=True)
+        self.holder_session = 0
+        self.client_sessions: list[int] = []
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far of the client workers (all of them) and of the holder."""
+        return (sum(session_cpu(s) for s in self.client_sessions),
+                session_cpu(self.holder_session))
 
     def task(self, variant: str) -> Any:
         return self.app.tasks[f"bench.{variant}"]
@@ -111,6 +135,8 @@ def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int
         for n in range(clients):
             procs.append(_spawn(config, [f"--pool={pool}", f"--concurrency={concurrency}"],
                                 log_dir / f"{label}-client{n}.log"))
+        cluster.holder_session = procs[0].pid
+        cluster.client_sessions = [proc.pid for proc in procs[1:]]
         deadline = time.monotonic() + 90
         while len(cluster.app.control.ping(timeout=0.5) or []) < len(procs):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):

@@ -49,6 +49,7 @@ def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
         for account in accounts:  # warm-up: connections, first grants or leases per key
             _publish(cluster, variant, run + "-warm", account, FREE_LIMIT, 0.0, 2, producer)
         _settle(cluster, run + "-warm", 2 * keys, cap)
+        cpu_before = cluster.cpu()
         started = time.perf_counter()
         for i in range(tasks):
             _publish(cluster, variant, run, accounts[i % keys], FREE_LIMIT, 0.0, 1, producer)
@@ -56,9 +57,15 @@ def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
     while cluster.done(run) < tasks and time.monotonic() < deadline:
         time.sleep(0.01)
     elapsed = time.perf_counter() - started
+    cpu_after = cluster.cpu()
     done = _settle(cluster, run, tasks, 0.0)
+    # CPU per task tells where an overhead goes: on 2 cores every process competes,
+    # and a threads worker runs its pool and its event loop under one GIL.
+    worker_ms, holder_ms = (1000 * (a - b) / max(done, 1) for a, b in zip(cpu_after, cpu_before,
+                                                                         strict=True))
     return {"variant": variant, "keys": keys, "tasks": tasks, "done": done, "seconds": elapsed,
-            "per_s": done / elapsed, "capped": done < tasks}
+            "per_s": done / elapsed, "capped": done < tasks,
+            "worker_cpu_ms": worker_ms, "holder_cpu_ms": holder_ms}
 
 
 def utilization(cluster: Cluster, variant: str, *, limit: int, work: float, seconds: float,

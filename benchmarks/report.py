@@ -47,16 +47,20 @@ def _overhead(results: dict[str, Any]) -> list[str]:
     lines = ["1. Overhead: no-op tasks, limit never binds (limit 50 per key, tasks spread over",
              "   1 or 16 keys), one client worker (concurrency 4, prefetch 1, max_held 16, the",
              "   default, unless a row says otherwise), one holder. ratio = tasks/s / mean of the",
-             "   two plain runs of that pool, key count and max_held (measured first and last)",
-             "", f"   {'pool':<8} {'keys':>4} {'variant':<68} {'tasks/s':>8} {'ratio':>6}  target"]
+             "   two plain runs of that pool, key count and max_held (measured first and last);",
+             "   cpu = CPU ms per task of the client worker (with its pool) / of the holder",
+             "", f"   {'pool':<8} {'keys':>4} {'variant':<68} {'tasks/s':>8} {'ratio':>6} "
+             f"{'cpu':>11}  target"]
     for r in rows:
         ratio = r["per_s"] / plain[_where(r)]
         target = TARGETS.get(r["variant"]) if r.get("max_held") is None else None
         met = "met" if target is not None and ratio >= target else "NOT met"
         verdict = "" if target is None else f">= {target}: {met}"
         capped = "  (cut at the time bound)" if r["capped"] else ""
+        cpu = (f"{r['worker_cpu_ms']:.2f} / {r['holder_cpu_ms']:.2f}"
+               if "worker_cpu_ms" in r else "")  # runs before the CPU columns existed
         lines.append(f"   {r['pool']:<8} {r['keys']:>4} {_label(r):<68} "
-                     f"{r['per_s']:>8.1f} {ratio:>6.2f}  {verdict}{capped}")
+                     f"{r['per_s']:>8.1f} {ratio:>6.2f} {cpu:>11}  {verdict}{capped}")
     return lines
 
 
