@@ -29,11 +29,12 @@ HELD_PER_SLOT = 4
 """Default max_held per pool slot. Every held task of a key without a permit waits for
 that key's next round (1-3 s), so a worker serving many keys on grants alone runs at
 most about max_held tasks per round trip (docs/benchmarks.md, section 1: 16 keys of
-no-op tasks on a pool of 4 ran 14-18 tasks/s with 16 held, 0.75-0.78 of plain Celery
-with 128). Not raised by default: a worker holds messages it cannot run yet, and the
-more it holds, the more of a contended key's work waits on a worker without permits
-while another worker's permits go idle. (A larger hold also made a Redis restart
-crash the worker in kombu every time; guard_connection_loss fixes that.)"""
+no-op tasks on a pool of 4 ran at 0.48-0.54 of plain Celery with 16 held, 0.69-0.82
+with 64-128). Not raised by default: held messages are unacked, so a worker killed
+while holding them returns them only after the broker's visibility_timeout, and a
+worker holds messages it cannot run yet that another worker with free slots could
+have run. (A larger hold also made a Redis restart crash the worker in kombu every
+time; guard_connection_loss fixes that.)"""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
 SUMMARY_INTERVAL = 30.0
