@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from ..core.messages import MAX_QUEUED_AT, DemandEntry, Request
+from ..core.messages import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, DemandEntry, Request
 from ..errors import CallerError, InvalidMessage
 from .ledger import GrantCopy, KeyLedger, LeaseCopy
 from .replies import ErrorReply, parse_reply
@@ -394,13 +394,16 @@ class SemaphoreClient:
         if self._stopped:
             return [], 0
         wanted, held_in_all = [], 0
-        for group, queue in self._queues.get(key, {}).items():
+        groups = self._queues.get(key, {})
+        # Each group lists its oldest items, within what one message may carry.
+        most = min(MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL // max(1, len(groups))) if ages else 0
+        for group, queue in groups.items():
             held = self._held_permits(key, group, now)
             held_in_all += held
             if len(queue) > held:
                 # The oldest item the held permits will not cover is the demand's age;
                 # the holder gives permits to the oldest items across clients.
-                listed = tuple(o[0] for o in queue[held:held + MAX_QUEUED_AT]) if ages else ()
+                listed = tuple(order[0] for order in queue[held:held + most])
                 wanted.append(DemandEntry(group, len(queue) - held, queue[held][0], listed))
         return wanted, held_in_all
 

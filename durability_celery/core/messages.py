@@ -18,6 +18,9 @@ MAX_ENTRIES = 10_000
 """Most demand entries, grant reports or lease reports one message may carry."""
 MAX_QUEUED_AT = 256
 """Most enqueue times one demand entry may list (its oldest items)."""
+MAX_QUEUED_AT_TOTAL = MAX_ENTRIES
+"""Most enqueue times one message may list over all its demand entries: a message
+stays about as large as MAX_ENTRIES entries allow."""
 
 BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
 
@@ -158,7 +161,8 @@ def _entries(message: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
 
 def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
     seen: set[str | None] = set()
-    demand = []
+    demand: list[DemandEntry] = []
+    listed = 0
     for i, raw in enumerate(_entries(message, "demand")):
         where = f"demand[{i}]."
         group = _string(_field(raw, "group", where), f"{where}group", nullable=True)
@@ -168,6 +172,10 @@ def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
         count = _count(_field(raw, "count", where), f"{where}count")
         oldest_at = _time(_field(raw, "oldest_at", where), f"{where}oldest_at")
         queued_at = _queued_at(raw.get("queued_at", []), f"{where}queued_at", count, oldest_at)
+        listed += len(queued_at)
+        if listed > MAX_QUEUED_AT_TOTAL:
+            raise InvalidMessage(f"{where}queued_at",
+                                 f"the message lists more than {MAX_QUEUED_AT_TOTAL} times")
         demand.append(DemandEntry(group, count, oldest_at, queued_at))
     return tuple(demand)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from durability_celery.core.messages import MAX_QUEUED_AT, parse_request
+from durability_celery.core.messages import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, parse_request
 from durability_celery.errors import CallerError
 
 from .helpers import (
@@ -94,6 +94,18 @@ def test_a_long_queue_lists_its_oldest_items_only() -> None:
     [entry] = parse_request(message, semaphore=SEM, key=KEY).demand
     assert entry.count == MAX_QUEUED_AT + 44
     assert entry.queued_at == tuple(float(i) for i in range(MAX_QUEUED_AT))
+
+
+def test_many_groups_share_what_one_message_may_list() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    groups = MAX_QUEUED_AT_TOTAL // MAX_QUEUED_AT + 1
+    for g in range(groups):
+        for i in range(MAX_QUEUED_AT):
+            client.enqueue(KEY, f"g{g}", f"t{g}-{i}", enqueued_at=float(i))
+    demand = parse_request(client.message(KEY), semaphore=SEM, key=KEY).demand
+    assert len(demand) == groups and all(e.count == MAX_QUEUED_AT for e in demand)
+    assert {len(e.queued_at) for e in demand} == {MAX_QUEUED_AT_TOTAL // groups}
 
 
 def test_admit_claims_grant_permits_oldest_first_and_deducts_demand() -> None:

@@ -47,6 +47,9 @@ BAD = [
                                        "queued_at": [1.0, 2.0]}]), "demand[0].queued_at"),
     ("ages-over-cap", with_(demand=[{"group": None, "count": 10**6, "oldest_at": 1.0,
                                      "queued_at": [1.0] * 257}]), "demand[0].queued_at"),
+    ("ages-over-message-cap", with_(demand=[
+        {"group": f"g{i}", "count": 256, "oldest_at": 1.0, "queued_at": [1.0] * 256}
+        for i in range(40)]), "demand[39].queued_at"),
     ("ages-not-from-oldest", with_(demand=[{"group": None, "count": 2, "oldest_at": 1.0,
                                             "queued_at": [0.5, 2.0]}]), "demand[0].queued_at"),
     ("ages-out-of-order", with_(demand=[{"group": None, "count": 3, "oldest_at": 1.0,
