@@ -330,6 +330,8 @@ class SemaphoreClient:
 
     def due(self) -> list[str]:
         """Keys that should send a message now (an overdue message counts as failed)."""
+        if not self._ledgers and not self._idle:
+            return []  # a semaphore this worker has not used: the gate asks on every pump
         now = self._clock()
         for ledger in self._ledgers.values():
             if ledger.in_flight and now >= ledger.in_flight.sent_at + self.request_timeout:
@@ -528,6 +530,11 @@ class SemaphoreClient:
     @property
     def stopped(self) -> bool:
         return self._stopped
+
+    @property
+    def has_queued(self) -> bool:
+        """Some item waits for a permit (admit() would look at it)."""
+        return bool(self._queued)
 
     # -- internals -----------------------------------------------------------
 

@@ -260,7 +260,10 @@ class Gate:
         for name in names[self._turn:] + names[:self._turn]:
             if free <= 0:
                 return
-            for permit in self.clients[name].admit(limit=free):
+            client = self.clients[name]
+            if not client.has_queued:
+                continue  # every delivery comes here: skip the semaphores with no queue
+            for permit in client.admit(limit=free):
                 free -= self._start(name, permit)
 
     def _start(self, semaphore: str, permit: Permit) -> int:
