@@ -83,6 +83,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or 4,
                          hold_deadline=settings.hold_deadline or DEFAULT_HOLD_DEADLINE)
         self.producer: Any = None
+        self._pool_size = 0
         self._timers: list[Any] = []
         self._wake_pending = False
         self._running = False
@@ -133,11 +134,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
     # -- bootstep ----------------------------------------------------------------
 
     def get_consumers(self, channel: Any) -> list[Any]:
-        pool_size = self.hooks.pool_size()
-        if self.durability.settings.max_held is None:
-            self.gate.max_held = HELD_PER_SLOT * pool_size
-        for client in self.clients.values():
-            client.capacity = pool_size  # ask for no permit the pool could not run
+        self._fit_pool()
         if self.durability.settings.hold_deadline is None:
             self.gate.hold_deadline = default_hold_deadline(
                 self.c.app, self.c.connection.transport.driver_type)
@@ -178,11 +175,27 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             self._wake_pending = True
             self.c.call_soon(self.pump)
 
+    def _fit_pool(self) -> None:
+        """Ask for no permit the pool could not run, and hold what it can use soon. The
+        size is read on every pump: an autoscaled pool (`--autoscale`) grows as held
+        tasks wait (they count as reserved), and with the size it started at, demand
+        stayed at its minimum whatever it grew to."""
+        size = self.hooks.pool_size()
+        if size == self._pool_size:
+            return
+        with self.gate.lock:
+            self._pool_size = size
+            if self.durability.settings.max_held is None:
+                self.gate.max_held = HELD_PER_SLOT * size
+            for client in self.clients.values():
+                client.capacity = size
+
     def pump(self) -> None:
         self._wake_pending = False
         if not self._running:
             return
         try:
+            self._fit_pool()
             for message in self.gate.pump():
                 self._publish(message)
         except Exception:  # the timer must keep running whatever one pump hits
