@@ -104,6 +104,16 @@ class Cluster:
                 pytest.fail(f"timed out waiting for {what}: {context()}\n{logs}", pytrace=False)
             time.sleep(0.1)
 
+    def drained(self, ids: list[str], key: str, *, timeout: float) -> None:
+        """Wait until every task of `ids` ended and the holder's usage of `key` is back
+        to zero; check that each ran exactly once."""
+        self.wait_for("every task to end", lambda: set(ids) <= set(self.ends()),
+                      timeout=timeout, context=lambda: str(self.inspect_held()))
+        self.wait_for("holder usage back to zero", lambda: self.usage_zero(key),
+                      timeout=20, context=lambda: str(self.semaphore.usage(key)))
+        starts = self.starts()
+        assert {starts.get(i) for i in ids} == {1}, "each ran exactly once"
+
     def permits_heard(self, worker: str) -> int:
         """Grant claims and lease draws of `worker` (a node name) that the holder has heard."""
         from sqlalchemy import text

@@ -22,12 +22,7 @@ def test_demand_follows_an_autoscaled_pool(cluster_factory: Callable[..., Cluste
     ids = [cluster.admitted.apply_async(
         kwargs={"account": "grow", "group": None, "work": 1.0, "mode": "ok"}).id
         for _ in range(TASKS)]
-    cluster.wait_for("every task to end", lambda: set(ids) <= set(cluster.ends()),
-                     timeout=90, context=lambda: str(cluster.inspect_held()))
-    cluster.wait_for("holder usage back to zero", lambda: cluster.usage_zero("grow"),
-                     timeout=20, context=lambda: str(cluster.semaphore.usage("grow")))
-    starts = cluster.starts()
-    assert {starts.get(i) for i in ids} == {1}, "each ran exactly once"
+    cluster.drained(ids, "grow", timeout=90)
     # The pool started with one process: demand capped at that size would have run
     # the 18 tasks one at a time, passing a single permit along.
     assert 3 <= cluster.max_running("grow") <= LIMIT, cluster.max_running("grow")

@@ -29,12 +29,7 @@ def drain(cluster_factory: Callable[..., Cluster], pool: str,
         kwargs={"account": "hk", "group": None, "work": 0.1, "mode": "ok"}).id
         for _ in range(TASKS)]
     # The ledger is shared by both drains of a test: look at this drain's ids only.
-    cluster.wait_for("every task to end", lambda: set(ids) <= set(cluster.ends()),
-                     timeout=60, context=lambda: str(cluster.inspect_held()))
-    cluster.wait_for("holder usage back to zero", lambda: cluster.usage_zero("hk"),
-                     timeout=20, context=lambda: str(cluster.semaphore.usage("hk")))
-    starts = cluster.starts()
-    assert {starts.get(i) for i in ids} == {1}, "each ran exactly once"
+    cluster.drained(ids, "hk", timeout=60)
     assert 1 <= cluster.max_running("hk") <= LIMIT
     sources: dict[str, int] = {}
     released = 0
