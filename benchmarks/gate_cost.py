@@ -1,0 +1,110 @@
+# The gate's own CPU per admitted task, in process: Gate.submit, the release
+# hook and a pump every other task, with a lease in hand and five more
+# semaphores configured but unused (as in the overhead section's worker). A
+# diagnostic, not a comparison: it says how much of section 1's extra CPU per
+# task is the gate's Python and how much is elsewhere in the worker.
+#
+#   python -m benchmarks.gate_cost [--tasks 20000] [--profile]
+#
+# Needs no service. Prints microseconds per task (best of 5 runs) and, with
+# --profile, the top of a cProfile of one more run (which slows it several fold).
+from __future__ import annotations
+
+import argparse
+import cProfile
+import itertools
+import pstats
+import time
+from typing import Any
+
+from durability_celery.client import SemaphoreClient
+from durability_celery.worker.gate import Gate, Hooks
+from durability_celery.worker.task import (
+    HEADER_ENQUEUED_AT,
+    HEADER_GROUP,
+    HEADER_KEY,
+    HEADER_SEMAPHORE,
+)
+
+SEMAPHORE, KEY = "bench", "acct-1"
+_ids = itertools.count()
+
+
+class _Request:
+    """What the gate reads of a Celery request, and what instrument() wraps."""
+
+    def __init__(self) -> None:
+        self.id = f"task-{next(_ids)}"
+        self.name = "bench.noop"
+        self.task = object()
+        self.expires = None
+        self.request_dict = {HEADER_SEMAPHORE: SEMAPHORE, HEADER_KEY: KEY, HEADER_GROUP: None,
+                             HEADER_ENQUEUED_AT: time.time(), "retries": 0}
+
+    def revoked(self) -> bool:
+        return False
+
+    def on_success(self, result: Any, **kwargs: Any) -> None:
+        pass
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> None:
+        pass
+
+
+def make_gate() -> Gate:
+    hooks = Hooks(handoff=lambda request: None, pool_size=lambda: 4, busy=lambda: 0,
+                  qos_increment=lambda: None, qos_decrement=lambda: None, wake=lambda: None)
+    names = [SEMAPHORE] + [f"unused-{i}" for i in range(5)]
+    clients = {name: SemaphoreClient(name, client_id="bench/1", handoff_window=60.0,
+                                     handoff_linger=1.0, supersede_after=0.5)
+               for name in names}
+    for client in clients.values():
+        client.capacity = 4
+    client = clients[SEMAPHORE]
+    client.enqueue(KEY, None, "first", enqueued_at=time.time())
+    client.message(KEY)
+    now = time.time()
+    client.on_response(KEY, {
+        "v": 1, "semaphore": SEMAPHORE, "key": KEY, "round_at": now,
+        "next_request_at": now + 2.0, "contended": False, "over_limit": False, "blocked": [],
+        "grants": [], "leases": [{"lease_id": "L1", "group": None, "permits": 10**8,
+                                  "drawn": 0, "released": 0, "expires_at": now + 3600,
+                                  "status": "active"}]})
+    client.cancel("first")
+    return Gate(clients, hooks, max_held=16, hold_deadline=1800.0)
+
+
+def run(gate: Gate, tasks: int) -> None:
+    for i in range(tasks):
+        request = _Request()
+        gate.submit(request)  # starts at once: the lease is in hand
+        if i % 2 == 0:
+            gate.pump()
+        request.on_success(None)  # the instrumented hook releases (passes on) the permit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gate_cost",
+                                     description=__doc__)
+    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--profile", action="store_true")
+    options = parser.parse_args()
+    gate = make_gate()
+    run(gate, 1000)  # warm up
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        run(gate, options.tasks)
+        best = min(best, time.perf_counter() - started)
+    print(f"gate CPU per admitted task: {best / options.tasks * 1e6:.1f} us "
+          f"(best of 5 runs of {options.tasks})")
+    if options.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        run(gate, options.tasks // 4)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
