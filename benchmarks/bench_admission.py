@@ -58,16 +58,16 @@ def make_app(config: dict[str, Any]) -> Celery:
         queue_prefix=config["prefix"], max_held=config.get("max_held")))
     counter = redis.Redis.from_url(config["counter_url"])
 
-    @app.task(name="bench.plain", shared=False)
+    @app.task(name="bench.plain", shared=False)  # type: ignore[untyped-decorator]
     def plain(account: str) -> None:
         counter.incr("done:plain")
 
-    @app.task(name="bench.leases", base=AdmittedTask, semaphore="bench_leases",
+    @app.task(name="bench.leases", base=AdmittedTask, semaphore="bench_leases",  # type: ignore[untyped-decorator]
               key="account", shared=False)
     def leases(account: str) -> None:
         counter.incr("done:leases")
 
-    @app.task(name="bench.grants", base=AdmittedTask, semaphore="bench_grants",
+    @app.task(name="bench.grants", base=AdmittedTask, semaphore="bench_grants",  # type: ignore[untyped-decorator]
               key="account", shared=False)
     def grants(account: str) -> None:
         counter.incr("done:grants")

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 APP_DIR = ROOT / "tests" / "holder"
 sys.path[:0] = [str(ROOT), str(APP_DIR)]
 
-from holder_app import CONFIG_ENV, make_app  # noqa: E402
+from holder_app import CONFIG_ENV, make_app  # type: ignore[import-not-found]  # noqa: E402
 
 from durability_celery.client.blocking import BlockingClient  # noqa: E402
 

@@ -174,14 +174,14 @@ def bench_store(backend: str, url: str, clients: int, groups: int, budget: float
     key = f"{backend}-{clients}x{groups}"
     sem = DurabilitySemaphore(SEMAPHORE, database=url, limit=clients * groups)
     timer = CoreTimer()
-    semaphore_module.run_round = timer  # type: ignore[assignment]
+    semaphore_module.run_round = timer  # type: ignore[attr-defined]
     try:
         workload = Workload(key, clients, groups)
         return _measure(backend, clients, groups, budget,
                         lambda messages, now: sem.run_round(key, messages, now=now), workload,
                         timer)
     finally:
-        semaphore_module.run_round = run_round
+        semaphore_module.run_round = run_round  # type: ignore[attr-defined]
         sem.close()
 
 
