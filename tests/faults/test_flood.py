@@ -92,6 +92,12 @@ def catalogue(cluster: FaultCluster, key: str, victim: dict[str, Any]
         "count_huge": ({**good, "demand": [{**demand, "count": 10**12}]}, {}),
         "count_negative": ({**good, "demand": [{**demand, "count": -5}]}, {}),
         "time_nan": ({**good, "demand": [{**demand, "oldest_at": float("nan")}]}, {}),
+        "ages_not_list": ({**good, "demand": [{**demand, "queued_at": "soon"}]}, {}),
+        "ages_over_count": ({**good, "demand": [
+            {**demand, "queued_at": [demand["oldest_at"]] * 2}]}, {}),
+        "ages_out_of_order": ({**good, "demand": [
+            {**demand, "count": 3, "queued_at": [demand["oldest_at"] + d for d in (0, 2, 1)]}]},
+            {}),
         "too_many": ({**good, "demand": [{**demand, "group": f"g{i}"}
                                          for i in range(10_001)]}, {}),
         "released_over_claimed": ({**good, "grants": [
