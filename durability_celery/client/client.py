@@ -231,7 +231,7 @@ class SemaphoreClient:
         the limit holds exactly as if the first item were still running. A
         permit is passed on only within `handoff_window` of when it was claimed
         or drawn; after that it is released and comes back to the holder, whose
-        next round gives it to the oldest demand of any client. That window is
+        next round gives it to the oldest queued item of any client. That window is
         how long another client's older work can wait behind this client's
         younger work. Returns the successor's permit, None if released (or unknown).
         """

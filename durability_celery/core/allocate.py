@@ -117,7 +117,7 @@ def allocate(
     now: float,
     new_id: Callable[[], str],
 ) -> Allocation:
-    """Grants oldest demand first, then leases; records unmet demand and its reason."""
+    """Grants to the oldest items first, then leases; records unmet demand and its reason."""
     result = Allocation()
     ordered = sorted(demand, key=lambda d: (d.entry.oldest_at, d.arrival))
     if limits.limit is None:

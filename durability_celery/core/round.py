@@ -1,7 +1,7 @@
 # One allocation round for one key, in the order DESIGN.md fixes: validate
 # messages; apply reports; reclaim expired unclaimed grant permits; retire
 # leases unreported for ttl; resolve limits (retiring leases they no longer
-# allow); allocate grants oldest demand first, then leases; answer every
+# allow); allocate grants to the oldest items first, then leases; answer every
 # message. Pure: the caller persists `state` before anyone sees `responses`.
 from __future__ import annotations
 
