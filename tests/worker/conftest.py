@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import signal
 import sys
@@ -32,6 +33,24 @@ def gate_database() -> Iterator[str]:
         yield url
     finally:
         drop()
+
+
+_LIFECYCLE = re.compile(r"WARNING|ERROR|CRITICAL|Connected to|gate started|re-establish")
+
+
+def log_digest(log: str, *, lines: int = 40, tail: int = 3000) -> str:
+    """A worker's connection and gate lifecycle (its first warnings and errors,
+    reconnects, gate starts) and then the end of its log: a failure long after a
+    fault shows what happened at the fault, not only the retries since."""
+    seen: set[str] = set()
+    events = []
+    for line in log.splitlines():
+        if _LIFECYCLE.search(line):
+            body = line.split("] ", 1)[-1][:300]
+            if body not in seen:
+                seen.add(body)
+                events.append(line[:400])
+    return "\n".join(["[lifecycle]", *events[:lines], "[tail]", log[-tail:]])
 
 
 class Cluster:
@@ -100,7 +119,8 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
-                logs = "\n".join(f"--- {p.name} ---\n{p.log()[-3000:]}" for p in self.workers)
+                logs = "\n".join(f"--- {p.name} ({p.log_path}) ---\n{log_digest(p.log())}"
+                                  for p in self.workers)
                 pytest.fail(f"timed out waiting for {what}: {context()}\n{logs}", pytrace=False)
             time.sleep(0.1)
 

@@ -13,6 +13,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.worker.control import control_command
 
 from durability_celery.app import Durability
 from durability_celery.core.config import Leases, Over, Strict, Under
@@ -21,6 +22,17 @@ from durability_celery.settings import DurabilitySettings
 from durability_celery.worker import AdmittedTask
 
 CONFIG_ENV = "DC_GATE_TEST_CONFIG"
+
+
+@control_command()  # type: ignore[untyped-decorator]
+def gate_test_close_channel(state: Any) -> dict[str, Any]:
+    """Tests only: close the gate step's channel under it, as a step that Celery
+    left on a collected broker connection has it (test_reopen.py)."""
+    step = getattr(state.consumer, "durability_step", None)
+    if step is None or step.producer is None:
+        return {"closed": False}  # the holder has no gate
+    step.producer.channel.close()
+    return {"closed": True}
 
 # KEYS: key, group ("" for none); ARGV: task id, now. Counts this start, tracks the
 # highest concurrency ever seen per key and per (key, group).
