@@ -405,7 +405,7 @@ class SemaphoreClient:
             if len(queue) > held:
                 # The oldest item the held permits will not cover is the demand's age;
                 # the holder gives permits to the oldest items across clients.
-                listed = tuple(order[0] for order in queue[held:held + most])
+                listed = tuple(order[0] for order in queue[held:held + most]) if most else ()
                 wanted.append(DemandEntry(group, len(queue) - held, queue[held][0], listed))
         return wanted, held_in_all
 

@@ -240,12 +240,10 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             raise ConnectionError("no broker connection: the worker is reconnecting")
         logger.warning("durability: the gate's channel is gone (closed, or on a lost broker "
                        "connection); opening a new one")
-        for consumer in self.consumers or []:
-            try:
-                consumer.cancel()
-                consumer.channel.close()
-            except Exception as exc:  # a dead channel: nothing left to close
-                logger.debug("durability: closing the lost gate channel: %r", exc)
+        try:
+            self._close(c)  # ConsumerStep's own: cancel the reply consumer, close its channel
+        except Exception as exc:  # a dead channel raises more than connection errors
+            logger.debug("durability: closing the lost gate channel: %r", exc)
         bootsteps.ConsumerStep.start(self, c)
         return self.producer
 
