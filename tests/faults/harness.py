@@ -49,11 +49,6 @@ class FaultCluster(Cluster):
             self.holders.append(proc)
         return proc
 
-    def publish(self, n: int, *, key: str, group: str | None = None,
-                work: float = 0.2) -> list[str]:
-        return [str(self.admitted.apply_async(
-            kwargs={"account": key, "group": group, "work": work}).id) for _ in range(n)]
-
     def events(self) -> list[Event]:
         return [Event(*json.loads(raw)) for raw in self.ledger.lrange("events", 0, -1)]
 

@@ -124,6 +124,11 @@ class Cluster:
                 pytest.fail(f"timed out waiting for {what}: {context()}\n{logs}", pytrace=False)
             time.sleep(0.1)
 
+    def publish(self, n: int, *, key: str, group: str | None = None,
+                work: float = 0.2) -> list[str]:
+        return [str(self.admitted.apply_async(
+            kwargs={"account": key, "group": group, "work": work}).id) for _ in range(n)]
+
     def drained(self, ids: list[str], key: str, *, timeout: float) -> None:
         """Wait until every task of `ids` ended and the holder's usage of `key` is back
         to zero; check that each ran exactly once."""

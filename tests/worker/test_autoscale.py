@@ -19,9 +19,7 @@ TASKS = 18
 def test_demand_follows_an_autoscaled_pool(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(limits={"grow": LIMIT}, round_wait=0.05, round_period=0.5)
     cluster.start(clients=1, pool="prefork", concurrency=1, extra=(f"--autoscale={LIMIT},1",))
-    ids = [cluster.admitted.apply_async(
-        kwargs={"account": "grow", "group": None, "work": 1.0, "mode": "ok"}).id
-        for _ in range(TASKS)]
+    ids = cluster.publish(TASKS, key="grow", work=1.0)
     cluster.drained(ids, "grow", timeout=90)
     # The pool started with one process: demand capped at that size would have run
     # the 18 tasks one at a time, passing a single permit along.

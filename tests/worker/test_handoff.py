@@ -25,9 +25,7 @@ def drain(cluster_factory: Callable[..., Cluster], pool: str,
     cluster = cluster_factory(limits={"hk": LIMIT}, round_wait=0.05, round_period=0.5,
                               **semaphore)
     cluster.start(clients=2, pool=pool, concurrency=3)
-    ids = [cluster.admitted.apply_async(
-        kwargs={"account": "hk", "group": None, "work": 0.1, "mode": "ok"}).id
-        for _ in range(TASKS)]
+    ids = cluster.publish(TASKS, key="hk", work=0.1)
     # The ledger is shared by both drains of a test: look at this drain's ids only.
     cluster.drained(ids, "hk", timeout=60)
     assert 1 <= cluster.max_running("hk") <= LIMIT

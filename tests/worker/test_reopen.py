@@ -18,16 +18,11 @@ def test_a_gate_left_on_a_dead_channel_opens_a_new_one(
         cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(limits={"heal": 2}, round_wait=0.05, round_period=0.5)
     (worker,) = cluster.start(clients=1, pool="threads", concurrency=2)[1:]
-
-    def publish(count: int) -> list[str]:
-        return [cluster.admitted.apply_async(
-            kwargs={"account": "heal", "group": None, "work": 0.2, "mode": "ok"}).id
-            for _ in range(count)]
-
-    cluster.drained(publish(2), "heal", timeout=30)  # the gate has talked to the holder
+    # The gate has talked to the holder before its channel goes.
+    cluster.drained(cluster.publish(2, key="heal"), "heal", timeout=30)
     replies = cluster.app.control.broadcast("gate_test_close_channel", reply=True,
                                             timeout=2.0, limit=2)
     assert {"closed": True} in [next(iter(r.values())) for r in replies], replies
-    cluster.drained(publish(6), "heal", timeout=60)
+    cluster.drained(cluster.publish(6, key="heal"), "heal", timeout=60)
     assert 1 <= cluster.max_running("heal") <= 2
     assert "opening a new one" in worker.log()
