@@ -165,6 +165,21 @@ class SemaphoreClient:
                 break
         return permits
 
+    def admit_now(self, key: str, group: str | None, item_id: str) -> Permit | None:
+        """Admit an arriving item without queueing it, if nothing of its key and group is
+        queued ahead of it and a permit is at hand: the permit `admit` would give it. None
+        (no change): queue it. Most arrivals of a key whose limit does not bind end here,
+        and this skips the queue's bookkeeping both ways."""
+        if self._stopped or item_id in self._queued or item_id in self._admitted:
+            return None
+        if key not in self._ledgers or group in self._queues.get(key, ()):
+            return None  # no permits for the key yet, or older items of the group come first
+        now = self._clock()
+        permit = self._take(_Queued(item_id, key, group, now, next(self._seq)), now)
+        if permit is not None:
+            self._admitted[item_id] = permit
+        return permit
+
     def _admissible(self, now: float) -> Iterator[Order]:
         """Queued items of groups that hold a permit, oldest first across those groups."""
         heads: list[list[Order]] = []
@@ -209,7 +224,8 @@ class SemaphoreClient:
             if not idle:
                 del self._idle[slot]
             if self._may_pass_on(kept, now):
-                return replace(kept, item_id=item.item_id, handed_off=True)
+                return Permit(item.item_id, kept.key, kept.group, kept.source,
+                              kept.source_id, kept.since, handed_off=True)
             self._give_back(kept)  # its lease or grant went while it waited
         return None
 
@@ -520,6 +536,12 @@ class SemaphoreClient:
     def permit(self, item_id: str) -> Permit | None:
         """The permit an admitted, unreleased item runs under."""
         return self._admitted.get(item_id)
+
+    def waited_on(self, key: str) -> bool:
+        """Others wait for this client's reports on `key` (its last reply was contended or
+        blocked): claims, draws and releases are then due at once, not at next_request_at."""
+        ledger = self._ledgers.get(key)
+        return ledger is not None and (ledger.urgent or self._stopped)
 
     def settled(self) -> bool:
         """Nothing left to report: leases settled, grants done, nothing queued."""

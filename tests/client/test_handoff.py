@@ -403,3 +403,45 @@ def test_the_permit_kept_last_is_reused_first_so_a_surplus_goes_back() -> None:
         assert client.pass_on(permit.item_id) is None
     client.due()  # the pump's sweep: kept past round_wait (linger) goes back
     assert grant_reports(client.message(KEY)) == {"g1": (3, 2)}
+
+
+# -- admit_now: an arriving item takes a permit at hand without queueing ------
+
+
+def test_an_arrival_takes_a_lease_permit_at_once_as_admit_would() -> None:
+    clock = FakeClock()
+    client = leased(clock, permits=3, running=1)
+    permit = client.admit_now(KEY, None, "new")
+    assert permit is not None and (permit.source, permit.source_id) == ("lease", "L1")
+    assert client.permit("new") == permit and client.held() == {}
+    assert lease_reports(client.message(KEY))["L1"][0] == 2  # the draw is reported
+    assert client.admit_now(KEY, None, "new") is None  # once per item
+    assert client.admit_now(KEY, None, "t0") is None  # an admitted item is no arrival
+
+
+def test_an_arrival_reuses_the_permit_kept_idle_before_drawing() -> None:
+    clock = FakeClock()
+    client = leased(clock, permits=3, running=1, linger=1.0)
+    assert client.pass_on("t0") is None  # nothing queued: kept idle
+    permit = client.admit_now(KEY, None, "next")
+    assert permit is not None and permit.handed_off and permit.item_id == "next"
+    assert lease_reports(client.message(KEY))["L1"][:2] == (1, 0)  # no new draw
+
+
+def test_an_arrival_queues_behind_older_items_of_its_group_and_without_permits() -> None:
+    clock = FakeClock()
+    assert make_client(clock).admit_now(KEY, None, "first") is None  # no reply for the key
+    client = leased(clock, permits=2, running=1)  # one permit of L1 drawable
+    client.enqueue(KEY, None, "older", enqueued_at=5.0)
+    assert client.admit_now(KEY, None, "younger") is None  # "older" comes first
+    assert client.admit_now(KEY, "other-group", "g") is None  # no permit for that group
+    assert client.held() == {KEY: {None: 1}}  # the refusals queued and drew nothing
+    assert [p.item_id for p in client.admit()] == ["older"]
+    assert client.admit_now(KEY, None, "younger") is None  # the lease is drawn out
+
+
+def test_a_stopped_client_admits_no_arrival() -> None:
+    clock = FakeClock()
+    client = leased(clock, permits=3, running=1)
+    client.stop()
+    assert client.admit_now(KEY, None, "late") is None
