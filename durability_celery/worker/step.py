@@ -86,6 +86,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self._pool_size = 0
         self._timers: list[Any] = []
         self._wake_pending = False
+        self._collect_wanted = False
         self._running = False
         # The strategy of AdmittedTask finds the gate here (strategy.py).
         c.durability_gate = self.gate
@@ -170,10 +171,15 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     # -- the loop --------------------------------------------------------------
 
-    def _wake(self) -> None:
+    def _wake(self, collect: bool) -> None:
+        if collect:
+            self._collect_wanted = True
         if not self._wake_pending:
             self._wake_pending = True
-            self.c.call_soon(self.pump)
+            self.c.call_soon(self._woken)
+
+    def _woken(self) -> None:
+        self.pump(collect=False)  # collects anyway if a wake since the last pump asked
 
     def _fit_pool(self) -> None:
         """Ask for no permit the pool could not run, and hold what it can use soon. The
@@ -190,13 +196,18 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             for client in self.clients.values():
                 client.capacity = size
 
-    def pump(self) -> None:
+    def pump(self, *, collect: bool = True) -> None:
+        """The timer's pump collects messages; a wake's only if a wake asked it to. (A
+        wake from a pool thread between these two lines may lose its ask: the timer
+        collects within PUMP_INTERVAL.)"""
         self._wake_pending = False
+        collect, self._collect_wanted = collect or self._collect_wanted, False
         if not self._running:
             return
         try:
-            self._fit_pool()
-            for message in self.gate.pump():
+            if collect:
+                self._fit_pool()
+            for message in self.gate.pump(collect=collect):
                 self._publish(message)
         except Exception:  # the timer must keep running whatever one pump hits
             logger.exception("durability: gate pump failed")

@@ -1,6 +1,6 @@
 # Every ending path of an admitted task releases its permit exactly once:
 # success, exception, retry (the retried message queues for a new permit), soft
-# and hard time limits, revoke while held and while running, and a pool child
+# and hard time limits, revoke while held (by id and by stamp) and while running, and a pool child
 # that dies mid-task. Shown by the holder's usage returning to zero and by the
 # gate's own count: releases equal admissions, nothing left running.
 from __future__ import annotations
@@ -35,9 +35,11 @@ def test_every_ending_releases_once(cluster_factory: Callable[..., Cluster], poo
     long_id = send("ok", work=30.0 if pool == "prefork" else 4.0)
     blocker = send("ok", work=2.5)
     held = send("ok")
+    stamped = send("ok", mark="held-stamp", stamped_headers=["mark"])
     cluster.wait_for("both long tasks to start",
                      lambda: {long_id, blocker} <= set(cluster.starts()), timeout=20)
     cluster.app.control.revoke(held)                          # revoked while held
+    cluster.app.control.revoke_by_stamped_headers({"mark": "held-stamp"})  # and by stamp
     if pool == "prefork":                                     # threads cannot be killed
         cluster.app.control.revoke(long_id, terminate=True)   # revoked while running
     expected = {long_id: 1, blocker: 1,
@@ -58,6 +60,7 @@ def test_every_ending_releases_once(cluster_factory: Callable[..., Cluster], poo
                      timeout=20, context=lambda: str(cluster.semaphore.usage("end")))
     starts = cluster.starts()
     assert held not in starts, "a task revoked while held never runs"
+    assert stamped not in starts, "a task revoked by stamp while held never runs"
     assert {i: starts.get(i) for i in expected} == expected
     counts = gate_counts(cluster)
     admitted = sum(counts["admitted_from"].values())

@@ -1,0 +1,142 @@
+# When the gate asks the event loop for a pump, and which kind: a collecting pump
+# (messages to the holder may be due) or one that only starts what can start.
+# Rule under test: a request with a permit at hand starts inside submit, unheld,
+# and costs no pump unless others wait on its key's reports; whatever is left to
+# do (a held request, a passed-on permit, a freed slot, news for a contended
+# holder) is never left to the timer alone. Pure: fake hooks and requests.
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from durability_celery.worker.gate import Gate, Hooks
+from durability_celery.worker.task import (
+    HEADER_ENQUEUED_AT,
+    HEADER_GROUP,
+    HEADER_KEY,
+    HEADER_SEMAPHORE,
+)
+
+from .helpers import KEY, SEM, FakeClock, lease, make_client, reply
+
+pytestmark = pytest.mark.timeout(30)
+_ids = itertools.count()
+
+
+class FakeRequest:
+    """What the gate reads of a Celery request, and what instrument() wraps."""
+
+    def __init__(self, key: str = KEY) -> None:
+        self.id = f"task-{next(_ids)}"
+        self.name = "t"
+        self.task = object()
+        self.expires = None
+        self.stamped_headers: list[str] = []
+        self.request_dict = {HEADER_SEMAPHORE: SEM, HEADER_KEY: key, HEADER_GROUP: None,
+                             HEADER_ENQUEUED_AT: 1.0, "retries": 0}
+
+    def revoked(self) -> bool:
+        return False
+
+    def on_success(self, result: Any, **kwargs: Any) -> None:
+        pass
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> None:
+        pass
+
+
+class Loop:
+    """The hooks, recording what the gate asked of the worker."""
+
+    def __init__(self, pool: int) -> None:
+        self.pool = pool
+        self.started: list[str] = []
+        self.wakes: list[bool] = []
+        self.qos = 0
+
+    def hooks(self) -> Hooks:
+        def raise_qos() -> None:
+            self.qos += 1
+
+        def lower_qos() -> None:
+            self.qos -= 1
+
+        return Hooks(handoff=lambda request: self.started.append(request.id),
+                     pool_size=lambda: self.pool, busy=lambda: 0,
+                     qos_increment=raise_qos, qos_decrement=lower_qos,
+                     wake=lambda collect: self.wakes.append(collect))
+
+    def take_wakes(self) -> list[bool]:
+        wakes, self.wakes = self.wakes, []
+        return wakes
+
+
+def leased_gate(*, pool: int, contended: bool = False) -> tuple[Gate, Loop, FakeRequest]:
+    """A gate whose first request for KEY got a lease of 10 and runs."""
+    clock = FakeClock()
+    loop = Loop(pool)
+    client = make_client(clock, handoff_window=60.0, handoff_linger=1.0)
+    client.capacity = pool
+    gate = Gate({SEM: client}, loop.hooks(), max_held=8, hold_deadline=600.0, clock=clock)
+    first = FakeRequest()
+    gate.submit(first)
+    assert loop.take_wakes() == [True] and loop.qos == 1  # held: the holder is asked
+    (message,) = gate.pump()
+    answer = reply(clock.now, leases=[lease("L1", permits=10, expires_at=clock.now + 600)],
+                   contended=contended)
+    assert gate.on_reply(message.correlation_id, answer)
+    assert loop.take_wakes() == [True]
+    reports = gate.pump()  # contended, the draw is reported at once
+    assert len(reports) == contended and loop.started == [first.id] and loop.qos == 0
+    return gate, loop, first
+
+
+def test_a_request_with_a_permit_at_hand_starts_in_submit_without_a_pump() -> None:
+    gate, loop, _ = leased_gate(pool=4)
+    second = FakeRequest()
+    gate.submit(second)
+    assert loop.started[-1] == second.id
+    assert loop.take_wakes() == [] and loop.qos == 0 and gate.state.held == {}
+    assert gate.state.admitted_from["lease"] == 2
+
+
+def test_a_release_with_nothing_waiting_asks_for_no_pump() -> None:
+    gate, loop, first = leased_gate(pool=4)
+    first.on_success(None)  # the instrumented hook releases
+    assert gate.state.released == 1 and loop.take_wakes() == []
+    third = FakeRequest()
+    gate.submit(third)  # the permit kept idle serves it
+    assert loop.started[-1] == third.id and gate.state.admitted_from["handoff"] == 1
+
+
+def test_a_full_pool_holds_the_request_and_its_release_starts_it_on_a_light_pump() -> None:
+    gate, loop, first = leased_gate(pool=1)
+    waiting = FakeRequest()
+    gate.submit(waiting)
+    assert loop.take_wakes() == [True] and loop.qos == 1 and len(gate.state.held) == 1
+    assert gate.pump() == [] and loop.started == [first.id]  # no free slot yet
+    first.on_success(None)
+    assert loop.take_wakes() == [False]  # a permit was passed on: start it, nothing to send
+    assert gate.pump(collect=False) == []
+    assert loop.started == [first.id, waiting.id] and loop.qos == 0
+    assert gate.state.admitted_from["handoff"] == 1
+
+
+def test_a_freed_slot_wakes_the_pump_for_a_request_of_another_key() -> None:
+    gate, loop, first = leased_gate(pool=1)
+    other = FakeRequest(key="acct-2")
+    gate.submit(other)
+    assert loop.take_wakes() == [True]
+    gate.pump()  # asks the holder for acct-2
+    first.on_success(None)  # nothing of KEY is held, but the slot is free now
+    assert loop.take_wakes() == [False]
+
+
+def test_a_contended_key_sends_its_news_at_once() -> None:
+    gate, loop, first = leased_gate(pool=4, contended=True)
+    gate.submit(FakeRequest())
+    assert loop.take_wakes() == [True]  # the draw is news for those who wait
+    first.on_success(None)
+    assert loop.take_wakes() == [True]  # and so is the release
