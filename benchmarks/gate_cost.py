@@ -33,7 +33,7 @@ _ids = itertools.count()
 
 
 class _Request:
-    """What the gate reads of a Celery request, and what instrument() wraps."""
+    """What the gate reads of a Celery request, and what instrument() sets."""
 
     def __init__(self) -> None:
         self.id = f"task-{next(_ids)}"
@@ -41,6 +41,8 @@ class _Request:
         self.task = object()
         self.expires = None
         self.stamped_headers: list[str] = []
+        self._durability_release: Any = None
+        self._durability_item = ""
         self.request_dict = {HEADER_SEMAPHORE: SEMAPHORE, HEADER_KEY: KEY, HEADER_GROUP: None,
                              HEADER_ENQUEUED_AT: time.time(), "retries": 0}
 
@@ -48,10 +50,8 @@ class _Request:
         return False
 
     def on_success(self, result: Any, **kwargs: Any) -> None:
-        pass
-
-    def execute_using_pool(self, pool: Any, **kwargs: Any) -> None:
-        pass
+        # What AdmittedRequest's success hook does once the gate instrumented it.
+        self._durability_release(self._durability_item)
 
 
 def make_gate() -> Gate:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from celery import Task
+from kombu.utils.imports import symbol_by_name
 
 from ..app import durability_for
 from ..errors import CallerError, ConfigurationError
+from .request import AdmittedRequest
 
 MAX_KEY_LENGTH = 200
 
@@ -119,6 +121,12 @@ def build_admission(task_cls: type[AdmittedTask], app: Any) -> Admission:
         raise ConfigurationError(
             f"task {name}: rate_limit cannot be combined with AdmittedTask (the rate "
             "limiter would hand requests to the pool around the gate); use the semaphore"
+        )
+    request_cls = symbol_by_name(task_cls.Request)  # type: ignore[no-untyped-call]
+    if not (isinstance(request_cls, type) and issubclass(request_cls, AdmittedRequest)):
+        raise ConfigurationError(
+            f"task {name}: Request must subclass durability_celery.worker.request."
+            f"AdmittedRequest (its ending hooks release the permit), got {task_cls.Request!r}"
         )
     fun, bound = _task_function(task_cls)
     positions, defaults, names, takes_kwargs = _parameters(fun, bound=bound)

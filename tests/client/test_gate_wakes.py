@@ -26,7 +26,7 @@ _ids = itertools.count()
 
 
 class FakeRequest:
-    """What the gate reads of a Celery request, and what instrument() wraps."""
+    """What the gate reads of a Celery request, and what instrument() sets."""
 
     def __init__(self, key: str = KEY) -> None:
         self.id = f"task-{next(_ids)}"
@@ -34,6 +34,8 @@ class FakeRequest:
         self.task = object()
         self.expires = None
         self.stamped_headers: list[str] = []
+        self._durability_release: Any = None
+        self._durability_item = ""
         self.request_dict = {HEADER_SEMAPHORE: SEM, HEADER_KEY: key, HEADER_GROUP: None,
                              HEADER_ENQUEUED_AT: 1.0, "retries": 0}
 
@@ -41,10 +43,8 @@ class FakeRequest:
         return False
 
     def on_success(self, result: Any, **kwargs: Any) -> None:
-        pass
-
-    def execute_using_pool(self, pool: Any, **kwargs: Any) -> None:
-        pass
+        # What AdmittedRequest's success hook does once the gate instrumented it.
+        self._durability_release(self._durability_item)
 
 
 class Loop:

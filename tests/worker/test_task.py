@@ -15,6 +15,7 @@ from durability_celery.app import Durability
 from durability_celery.errors import ConfigurationError
 from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.worker import AdmissionError, AdmittedTask
+from durability_celery.worker.request import AdmittedRequest
 
 
 @pytest.fixture
@@ -116,3 +117,24 @@ def test_send_task_by_name_gets_headers_from_the_publish_hook(
     app.send_task("by.name", kwargs={"account": "acct-9"})
     assert published[-1]["durability_key"] == "acct-9"
     assert published[-1]["durability_semaphore"] == "accounts"
+
+
+def test_a_request_class_without_the_release_hooks_is_refused(app: Celery) -> None:
+    with pytest.raises(ConfigurationError, match="AdmittedRequest"):
+        @app.task(base=AdmittedTask, semaphore="accounts", key="account",
+                  Request="celery.worker.request:Request", shared=False)
+        def bare(account: str) -> None: ...
+        bare.name  # noqa: B018
+
+
+def test_a_subclass_of_admitted_request_is_accepted(app: Celery) -> None:
+    @app.task(base=AdmittedTask, semaphore="accounts", key="account",
+              Request=MyRequest, shared=False)
+    def custom(account: str) -> None:
+        pass
+
+    assert custom.admission().semaphore == "accounts"
+
+
+class MyRequest(AdmittedRequest):
+    pass
