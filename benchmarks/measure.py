@@ -65,7 +65,23 @@ def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
                                                                          strict=True))
     return {"variant": variant, "keys": keys, "tasks": tasks, "done": done, "seconds": elapsed,
             "per_s": done / elapsed, "capped": done < tasks,
+            "steady_per_s": _steady(cluster.intervals(run)),
             "worker_cpu_ms": worker_ms, "holder_cpu_ms": holder_ms}
+
+
+STEADY = (0.3, 0.9)
+"""The share of completions between which `steady_per_s` counts."""
+
+
+def _steady(rows: list[tuple[float, float, float]]) -> float | None:
+    """Tasks/s between the 30 % and 90 % marks of the completions: without the start,
+    where grants only waits one round per key (the warm-up's permits go back a
+    round_wait after its last task), and without the tail. None: too few tasks."""
+    ends = sorted(end for _, end, _ in rows)
+    first, last = (int(len(ends) * share) for share in STEADY)
+    if last - first < 10 or ends[last] <= ends[first]:
+        return None
+    return (last - first) / (ends[last] - ends[first])
 
 
 def utilization(cluster: Cluster, variant: str, *, limit: int, work: float, seconds: float,

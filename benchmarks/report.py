@@ -48,11 +48,15 @@ def _overhead(results: dict[str, Any]) -> list[str]:
              "   1 or 16 keys), one client worker (concurrency 4, prefetch 1, max_held 16, the",
              "   default, unless a row says otherwise), one holder. ratio = tasks/s / mean of the",
              "   two plain runs of that pool, key count and max_held (measured first and last);",
-             "   cpu = CPU ms per task of the client worker (with its pool) / of the holder",
+             "   cpu = CPU ms per task of the client worker (with its pool) / of the holder;",
+             "   steady = that ratio between 30 % and 90 % of the completions (no first rounds)",
              "", f"   {'pool':<8} {'keys':>4} {'variant':<68} {'tasks/s':>8} {'ratio':>6} "
-             f"{'cpu':>11}  target"]
+             f"{'steady':>6} {'cpu':>11}  target"]
+    steady = _plain_reference(rows, "steady_per_s")
     for r in rows:
         ratio = r["per_s"] / plain[_where(r)]
+        steady_ratio = (f"{r['steady_per_s'] / steady[_where(r)]:.2f}"
+                        if r.get("steady_per_s") and steady.get(_where(r)) else "-")
         target = TARGETS.get(r["variant"]) if r.get("max_held") is None else None
         met = "met" if target is not None and ratio >= target else "NOT met"
         verdict = "" if target is None else f">= {target}: {met}"
@@ -60,7 +64,8 @@ def _overhead(results: dict[str, Any]) -> list[str]:
         cpu = (f"{r['worker_cpu_ms']:.2f} / {r['holder_cpu_ms']:.2f}"
                if "worker_cpu_ms" in r else "")  # runs before the CPU columns existed
         lines.append(f"   {r['pool']:<8} {r['keys']:>4} {_label(r):<68} "
-                     f"{r['per_s']:>8.1f} {ratio:>6.2f} {cpu:>11}  {verdict}{capped}")
+                     f"{r['per_s']:>8.1f} {ratio:>6.2f} {steady_ratio:>6} {cpu:>11}  "
+                     f"{verdict}{capped}")
     return lines
 
 
@@ -73,12 +78,13 @@ def _where(row: dict[str, Any]) -> tuple[str, int, int | None]:
     return row["pool"], row["keys"], row.get("max_held")
 
 
-def _plain_reference(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int | None], float]:
+def _plain_reference(rows: list[dict[str, Any]], field: str = "per_s"
+                     ) -> dict[tuple[str, int, int | None], float]:
     """Per pool, key count and hold, the mean of the plain runs (measured first and last)."""
     runs: dict[tuple[str, int, int | None], list[float]] = {}
     for r in rows:
-        if r["variant"] == "plain":
-            runs.setdefault(_where(r), []).append(r["per_s"])
+        if r["variant"] == "plain" and r.get(field):
+            runs.setdefault(_where(r), []).append(r[field])
     return {where: sum(v) / len(v) for where, v in runs.items()}
 
 
