@@ -347,7 +347,7 @@ class SemaphoreClient:
     def due(self) -> list[str]:
         """Keys that should send a message now (an overdue message counts as failed)."""
         if not self._ledgers and not self._idle:
-            return []  # a semaphore this worker has not used: the gate asks on every pump
+            return []  # a semaphore this worker has not used: every collecting pump asks
         now = self._clock()
         for ledger in self._ledgers.values():
             if ledger.in_flight and now >= ledger.in_flight.sent_at + self.request_timeout:
@@ -408,7 +408,7 @@ class SemaphoreClient:
                    ages: bool = False) -> tuple[list[DemandEntry], int]:
         """Per group: queued items minus the permits already held for them; and the sum
         of those held permits (claimable, drawable or kept idle). `ages`: list the
-        uncovered items' enqueue times (for a message; every pump asks without)."""
+        uncovered items' enqueue times (for a message; collecting pumps ask without)."""
         if self._stopped:
             return [], 0
         wanted, held_in_all = [], 0

@@ -183,7 +183,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def _fit_pool(self) -> None:
         """Ask for no permit the pool could not run, and hold what it can use soon. The
-        size is read on every pump: an autoscaled pool (`--autoscale`) grows as held
+        size is read on every collecting pump (the timer's, every PUMP_INTERVAL, and
+        wakes with news for the holder): an autoscaled pool (`--autoscale`) grows as held
         tasks wait (they count as reserved), and with the size it started at, demand
         stayed at its minimum whatever it grew to."""
         size = self.hooks.pool_size()
