@@ -33,8 +33,9 @@ class DurabilitySettings:
     semaphore's grant_timeout, so that a claim's first report, if lost, is retried in time
     (a claim counts only once a report of it reaches the holder before the deadline)."""
     max_held: int | None = None
-    """Task messages one worker holds waiting for permits; None: 4 x pool size (see
-    worker/step.py HELD_PER_SLOT for when more helps)."""
+    """Task messages one worker holds waiting for permits; None: 8 x pool size. While
+    every pool slot is taken, a worker holds at most half of it (worker/gate.py
+    Gate._may_raise, worker/step.py HELD_PER_SLOT)."""
     hold_deadline: float | None = None
     """Hand a held message back to the broker after this long; None: derived from the broker."""
     reply_expires: float = 300.0

@@ -25,16 +25,16 @@ from .visibility import log_summary
 
 logger = logging.getLogger("durability_celery.worker")
 
-HELD_PER_SLOT = 4
-"""Default max_held per pool slot. Every held task of a key without a permit waits for
-that key's next round (1-3 s), so a worker serving many keys on grants alone runs at
-most about max_held tasks per round trip (docs/benchmarks.md, section 1: 16 keys of
-no-op tasks on a pool of 4 ran at 0.48-0.54 of plain Celery with 16 held, 0.69-0.82
-with 64-128). Not raised by default: held messages are unacked, so a worker killed
-while holding them returns them only after the broker's visibility_timeout, and a
-worker holds messages it cannot run yet that another worker with free slots could
-have run. (A larger hold also made a Redis restart crash the worker in kombu every
-time; guard_connection_loss fixes that.)"""
+HELD_PER_SLOT = 8
+"""Default max_held per pool slot; while the pool is busy the gate holds half of that
+(Gate._may_raise). Every held task of a key without a permit waits for that key's next
+round (1-3 s), so a worker serving many keys on grants alone runs at most about the
+hold's size of tasks per round trip, and a full hold stops delivery for every key of the
+worker's queues. Not larger: held messages are unacked, so a worker killed while
+holding them returns them only after the broker's visibility_timeout, and a busy worker
+would hold messages that another worker with free slots could have run. (A larger hold
+also made a Redis restart crash the worker in kombu every time; guard_connection_loss
+fixes that.)"""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
 SUMMARY_INTERVAL = 30.0
@@ -80,7 +80,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             expires=settings.reply_expires)
         self.hooks = self._hooks(c)
         # Both are final in get_consumers, once the pool and the broker are known.
-        self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or 4,
+        self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or HELD_PER_SLOT,
                          hold_deadline=settings.hold_deadline or DEFAULT_HOLD_DEADLINE)
         self.producer: Any = None
         self._pool_size = 0

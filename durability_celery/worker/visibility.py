@@ -38,6 +38,7 @@ def describe(gate: Gate) -> dict[str, Any]:
                         "oldest_wait": None if since is None else round(now - since, 3),
                     })
         return {"held": len(gate.state.held), "running": len(gate.state.running),
+                "raised": gate.state.raised,
                 "max_held": gate.max_held, "hold_deadline": gate.hold_deadline,
                 "admitted_from": dict(gate.state.admitted_from),
                 "released": gate.state.released,

@@ -6,71 +6,14 @@
 # holder) is never left to the timer alone. Pure: fake hooks and requests.
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import pytest
 
-from durability_celery.worker.gate import Gate, Hooks
-from durability_celery.worker.task import (
-    HEADER_ENQUEUED_AT,
-    HEADER_GROUP,
-    HEADER_KEY,
-    HEADER_SEMAPHORE,
-)
+from durability_celery.worker.gate import Gate
 
-from .helpers import KEY, SEM, FakeClock, lease, make_client, reply
+from .gate_fakes import FakeRequest, Loop
+from .helpers import SEM, FakeClock, lease, make_client, reply
 
 pytestmark = pytest.mark.timeout(30)
-_ids = itertools.count()
-
-
-class FakeRequest:
-    """What the gate reads of a Celery request, and what instrument() sets."""
-
-    def __init__(self, key: str = KEY) -> None:
-        self.id = f"task-{next(_ids)}"
-        self.name = "t"
-        self.task = object()
-        self.expires = None
-        self.stamped_headers: list[str] = []
-        self._durability_release: Any = None
-        self._durability_item = ""
-        self.request_dict = {HEADER_SEMAPHORE: SEM, HEADER_KEY: key, HEADER_GROUP: None,
-                             HEADER_ENQUEUED_AT: 1.0, "retries": 0}
-
-    def revoked(self) -> bool:
-        return False
-
-    def on_success(self, result: Any, **kwargs: Any) -> None:
-        # What AdmittedRequest's success hook does once the gate instrumented it.
-        self._durability_release(self._durability_item)
-
-
-class Loop:
-    """The hooks, recording what the gate asked of the worker."""
-
-    def __init__(self, pool: int) -> None:
-        self.pool = pool
-        self.started: list[str] = []
-        self.wakes: list[bool] = []
-        self.qos = 0
-
-    def hooks(self) -> Hooks:
-        def raise_qos() -> None:
-            self.qos += 1
-
-        def lower_qos() -> None:
-            self.qos -= 1
-
-        return Hooks(handoff=lambda request: self.started.append(request.id),
-                     pool_size=lambda: self.pool, busy=lambda: 0,
-                     qos_increment=raise_qos, qos_decrement=lower_qos,
-                     wake=lambda collect: self.wakes.append(collect))
-
-    def take_wakes(self) -> list[bool]:
-        wakes, self.wakes = self.wakes, []
-        return wakes
 
 
 def leased_gate(*, pool: int, contended: bool = False) -> tuple[Gate, Loop, FakeRequest]:

@@ -1,0 +1,87 @@
+# How many held messages raise the worker's prefetch. Rule under test: up to half
+# of max_held while every pool slot is taken, so a busy worker leaves work to
+# others; up to all of it while a pool slot is free that no held task can take,
+# also for messages held before the slot freed, so that the broker keeps sending
+# (tasks whose keys have a permit at hand are not stuck behind held ones). Every
+# raise is lowered once, whichever way its message leaves the hold. Pure: fake
+# hooks and requests.
+from __future__ import annotations
+
+import pytest
+
+from durability_celery.worker.gate import Gate
+
+from .gate_fakes import FakeRequest, Loop
+from .helpers import SEM, FakeClock, grant, make_client, reply
+
+pytestmark = pytest.mark.timeout(30)
+
+POOL, MAX_HELD = 4, 8
+
+
+def gate_without_permits(*, busy: int) -> tuple[Gate, Loop, FakeClock]:
+    clock = FakeClock()
+    loop = Loop(POOL)
+    loop.busy = busy
+    client = make_client(clock, handoff_window=60.0, handoff_linger=1.0)
+    client.capacity = POOL
+    return Gate({SEM: client}, loop.hooks(), max_held=MAX_HELD, hold_deadline=600.0,
+                clock=clock), loop, clock
+
+
+def hold(gate: Gate, count: int) -> list[FakeRequest]:
+    requests = [FakeRequest(key=f"acct-{n}") for n in range(count)]
+    for request in requests:
+        gate.submit(request)
+    return requests
+
+
+def test_a_busy_pool_raises_prefetch_for_half_of_max_held() -> None:
+    gate, loop, _ = gate_without_permits(busy=POOL)
+    hold(gate, 10)
+    assert len(gate.state.held) == 10 and loop.started == []
+    assert loop.qos == gate.state.raised == MAX_HELD // 2
+
+
+def test_a_pool_with_a_free_slot_raises_prefetch_up_to_max_held() -> None:
+    gate, loop, _ = gate_without_permits(busy=0)
+    hold(gate, 10)
+    assert len(gate.state.held) == 10 and loop.started == []
+    assert loop.qos == gate.state.raised == MAX_HELD
+
+
+def test_messages_held_while_busy_raise_prefetch_once_a_slot_frees() -> None:
+    gate, loop, clock = gate_without_permits(busy=POOL)
+    requests = hold(gate, 10)
+    gate.pump(collect=False)
+    assert loop.qos == MAX_HELD // 2  # still busy: nothing changes
+    loop.busy = POOL - 1  # a plain task ended; no held task has a permit
+    gate.pump(collect=False)
+    assert loop.qos == gate.state.raised == MAX_HELD
+    assert sum(entry.raised_qos for entry in gate.state.held.values()) == MAX_HELD
+    # Handed back at the hold deadline, each lowers what it raised, and no more.
+    clock.advance(601)
+    gate.pump()
+    assert gate.state.held == {} and loop.qos == gate.state.raised == 0
+    assert [r.rejected for r in requests] == [[True]] * 10
+
+
+def test_held_tasks_that_start_lower_prefetch_once_each() -> None:
+    gate, loop, clock = gate_without_permits(busy=0)
+    requests = [FakeRequest() for _ in range(10)]  # one key
+    for request in requests:
+        gate.submit(request)
+    assert loop.qos == MAX_HELD
+    (message,) = gate.pump()
+    answer = reply(clock.now, grants=[grant("G1", permits=POOL, claim_deadline=clock.now + 10)])
+    assert gate.on_reply(message.correlation_id, answer)
+    gate.pump(collect=False)
+    assert loop.started == [r.id for r in requests[:POOL]]
+    # The pool is full now: the two held without a raise stay so, and the four
+    # that started lowered theirs.
+    assert loop.qos == gate.state.raised == MAX_HELD - POOL
+    for position in range(len(requests)):  # each end passes its permit on to the next
+        requests[position].on_success(None)
+        gate.pump(collect=False)
+    assert loop.started == [r.id for r in requests]
+    assert gate.state.held == {} and loop.qos == gate.state.raised == 0
