@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,30 +45,68 @@ def machine() -> dict[str, Any]:
 
 def _overhead(results: dict[str, Any]) -> list[str]:
     rows = results.get("overhead", [])
-    plain = _plain_reference(rows)
+    passes = max((r.get("pass", 0) for r in rows), default=0) + 1
     lines = ["1. Overhead: no-op tasks, limit never binds (limit 50 per key, tasks spread over",
-             "   1 or 16 keys), one client worker (concurrency 4, prefetch 1, max_held 16, the",
-             "   default, unless a row says otherwise), one holder. ratio = tasks/s / mean of the",
-             "   two plain runs of that pool, key count and max_held (measured first and last);",
-             "   cpu = CPU ms per task of the client worker (with its pool) / of the holder;",
-             "   steady = that ratio between 30 % and 90 % of the completions (no first rounds)",
+             "   1 or 16 keys), one client worker (concurrency 4, prefetch 1, max_held 32, the",
+             "   default 8 x pool, unless a row says otherwise), one holder. ratio = tasks/s /",
+             "   mean of the two plain runs of that pool, key count, max_held and pass",
+             f"   (measured first and last); each cell is the median of {passes} pass(es), with",
+             "   the lowest and highest; cpu = CPU ms per task of the client worker (with its",
+             "   pool) / of the holder; steady = that ratio between 30 % and 90 % of the",
+             "   completions (no first rounds)",
              "", f"   {'pool':<8} {'keys':>4} {'variant':<68} {'tasks/s':>8} {'ratio':>6} "
-             f"{'steady':>6} {'cpu':>11}  target"]
-    steady = _plain_reference(rows, "steady_per_s")
-    for r in rows:
-        ratio = r["per_s"] / plain[_where(r)]
-        steady_ratio = (f"{r['steady_per_s'] / steady[_where(r)]:.2f}"
-                        if r.get("steady_per_s") and steady.get(_where(r)) else "-")
+             f"{'range':>9} {'steady':>6} {'cpu':>11}  target"]
+    for cell in overhead_cells(rows):
+        r = cell.rows[0]
         target = TARGETS.get(r["variant"]) if r.get("max_held") is None else None
-        met = "met" if target is not None and ratio >= target else "NOT met"
+        met = "met" if target is not None and cell.ratio >= target else "NOT met"
         verdict = "" if target is None else f">= {target}: {met}"
-        capped = "  (cut at the time bound)" if r["capped"] else ""
-        cpu = (f"{r['worker_cpu_ms']:.2f} / {r['holder_cpu_ms']:.2f}"
+        capped = "  (cut at the time bound)" if any(x["capped"] for x in cell.rows) else ""
+        steady = "-" if cell.steady is None else f"{cell.steady:.2f}"
+        cpu = (f"{_median([x['worker_cpu_ms'] for x in cell.rows]):.2f} / "
+               f"{_median([x['holder_cpu_ms'] for x in cell.rows]):.2f}"
                if "worker_cpu_ms" in r else "")  # runs before the CPU columns existed
+        spread = f"{min(cell.ratios):.2f}-{max(cell.ratios):.2f}"
         lines.append(f"   {r['pool']:<8} {r['keys']:>4} {_label(r):<68} "
-                     f"{r['per_s']:>8.1f} {ratio:>6.2f} {steady_ratio:>6} {cpu:>11}  "
-                     f"{verdict}{capped}")
+                     f"{_median([x['per_s'] for x in cell.rows]):>8.1f} {cell.ratio:>6.2f} "
+                     f"{spread:>9} {steady:>6} {cpu:>11}  {verdict}{capped}")
     return lines
+
+
+@dataclass
+class Cell:
+    """One variant on one pool, key count and hold: its runs over every pass."""
+
+    rows: list[dict[str, Any]]
+    ratios: list[float]
+    steadies: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return _median(self.ratios)
+
+    @property
+    def steady(self) -> float | None:
+        return _median(self.steadies) if self.steadies else None
+
+
+def overhead_cells(rows: list[dict[str, Any]]) -> list[Cell]:
+    """The overhead rows grouped by pool, key count, hold and variant, in run order, each
+    run's ratio taken against the plain runs of its own pass."""
+    plain, steady = _plain_reference(rows), _plain_reference(rows, "steady_per_s")
+    cells: dict[tuple[str, int, int | None, str], Cell] = {}
+    for r in rows:
+        where = _where(r)
+        cell = cells.setdefault((*where[:3], r["variant"]), Cell([], [], []))
+        cell.rows.append(r)
+        cell.ratios.append(r["per_s"] / plain[where])
+        if r.get("steady_per_s") and steady.get(where):
+            cell.steadies.append(r["steady_per_s"] / steady[where])
+    return list(cells.values())
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -74,14 +114,14 @@ def _label(row: dict[str, Any]) -> str:
     return LABELS[row["variant"]] + ("" if held is None else f", max_held {held}")
 
 
-def _where(row: dict[str, Any]) -> tuple[str, int, int | None]:
-    return row["pool"], row["keys"], row.get("max_held")
+def _where(row: dict[str, Any]) -> tuple[str, int, int | None, int]:
+    return row["pool"], row["keys"], row.get("max_held"), row.get("pass", 0)
 
 
 def _plain_reference(rows: list[dict[str, Any]], field: str = "per_s"
-                     ) -> dict[tuple[str, int, int | None], float]:
-    """Per pool, key count and hold, the mean of the plain runs (measured first and last)."""
-    runs: dict[tuple[str, int, int | None], list[float]] = {}
+                     ) -> dict[tuple[str, int, int | None, int], float]:
+    """Per pool, key count, hold and pass, the mean of the plain runs (first and last)."""
+    runs: dict[tuple[str, int, int | None, int], list[float]] = {}
     for r in rows:
         if r["variant"] == "plain" and r.get(field):
             runs.setdefault(_where(r), []).append(r[field])
@@ -162,17 +202,18 @@ def render_plots(results: dict[str, Any], *, suffix: str = "") -> list[Path]:
     paths = []
     if results.get("overhead"):
         fig, ax = plt.subplots(figsize=(14, 4.5))
-        rows = results["overhead"]
-        plain = _plain_reference(rows)
-        # the two plain runs of a pool get distinct labels, or their bars would overlap
-        labels = [f"{r['pool']} {r['keys']}k\n{r['variant']}"
-                  + (f" held {r['max_held']}" if r.get("max_held") else "")
-                  + (f" {n}" if r["variant"] == "plain" else "") for n, r in enumerate(rows)]
-        ax.bar(labels, [r["per_s"] / plain[_where(r)] for r in rows],
-               color="tab:blue")
+        cells = overhead_cells(results["overhead"])
+        labels = [f"{c.rows[0]['pool']} {c.rows[0]['keys']}k\n{c.rows[0]['variant']}"
+                  + (f" held {c.rows[0]['max_held']}" if c.rows[0].get("max_held") else "")
+                  for c in cells]
+        medians = [c.ratio for c in cells]
+        ax.bar(labels, medians, color="tab:blue",
+               yerr=[[m - min(c.ratios) for m, c in zip(medians, cells, strict=True)],
+                     [max(c.ratios) - m for m, c in zip(medians, cells, strict=True)]],
+               error_kw={"elinewidth": 0.8, "capsize": 2})
         ax.axhline(0.95, color="green", linestyle="--", label="leases target 0.95")
         ax.axhline(0.8, color="orange", linestyle="--", label="grants target 0.8")
-        ax.set_ylabel("throughput / plain Celery")
+        ax.set_ylabel("throughput / plain Celery (median, range)")
         ax.set_title("No-op throughput when the limit does not bind")
         ax.tick_params(axis="x", labelsize=5, labelrotation=90)
         ax.legend(fontsize=7)
