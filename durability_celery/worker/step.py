@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from typing import Any
 
 from celery import bootsteps
@@ -85,6 +86,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.producer: Any = None
         self._pool_size = 0
         self._timers: list[Any] = []
+        # Pool threads wake the loop as tasks end: the two flags change together under
+        # this lock, so no wake's ask for a collecting pump is cleared unread.
+        self._wake_lock = threading.Lock()
         self._wake_pending = False
         self._collect_wanted = False
         self._running = False
@@ -172,11 +176,12 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
     # -- the loop --------------------------------------------------------------
 
     def _wake(self, collect: bool) -> None:
-        if collect:
-            self._collect_wanted = True
-        if not self._wake_pending:
+        with self._wake_lock:
+            self._collect_wanted = self._collect_wanted or collect
+            if self._wake_pending:
+                return  # the pump already asked for reads the flag after this
             self._wake_pending = True
-            self.c.call_soon(self._woken)
+        self.c.call_soon(self._woken)
 
     def _woken(self) -> None:
         self.pump(collect=False)  # collects anyway if a wake since the last pump asked
@@ -198,11 +203,11 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                 client.capacity = size
 
     def pump(self, *, collect: bool = True) -> None:
-        """The timer's pump collects messages; a wake's only if a wake asked it to. (A
-        wake from a pool thread between these two lines may lose its ask: the timer
-        collects within PUMP_INTERVAL.)"""
-        self._wake_pending = False
-        collect, self._collect_wanted = collect or self._collect_wanted, False
+        """The timer's pump collects messages; a wake's only if a wake asked it to."""
+        with self._wake_lock:
+            self._wake_pending = False
+            collect = collect or self._collect_wanted
+            self._collect_wanted = False
         if not self._running:
             return
         try:
