@@ -58,6 +58,19 @@ def default_hold_deadline(app: Any, driver_type: str) -> float:
     return DEFAULT_HOLD_DEADLINE
 
 
+def unadmitted_active() -> int:
+    """Pool slots taken by requests the gate did not admit (admitted ones carry their
+    release hook, and the gate counts those itself).
+
+    Pool threads add to and discard from `active_requests` (a WeakSet) as tasks start
+    and end, and iterating it meanwhile raises "Set changed size during iteration":
+    under load that killed a threads worker's consumer (benchmark, section 2). So the
+    count iterates a copy of its references; `set.copy` runs in C, under the GIL."""
+    refs = worker_state.active_requests.data.copy()
+    return sum(1 for ref in refs
+               if (r := ref()) is not None and getattr(r, "_durability_release", None) is None)
+
+
 class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
     """Holds admitted-type task messages in the worker's main process until permitted."""
 
@@ -126,12 +139,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         def pool_size() -> int:
             return int(getattr(c.pool, "num_processes", 0) or c.controller.concurrency or 1)
 
-        def busy() -> int:
-            # Admitted requests carry their release hook; the gate counts those itself.
-            return sum(1 for r in worker_state.active_requests
-                       if getattr(r, "_durability_release", None) is None)
-
-        return Hooks(handoff=handoff, pool_size=pool_size, busy=busy,
+        return Hooks(handoff=handoff, pool_size=pool_size, busy=unadmitted_active,
                      qos_increment=lambda: c.qos.increment_eventually(),
                      qos_decrement=lambda: c.qos.decrement_eventually(),
                      wake=self._wake)
