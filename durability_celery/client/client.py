@@ -537,6 +537,16 @@ class SemaphoreClient:
         """The permit an admitted, unreleased item runs under."""
         return self._admitted.get(item_id)
 
+    def asks(self, key: str) -> bool:
+        """Whether `key` has demand to send: queued items that no permit at hand covers,
+        within the room the pool leaves. False when a full pool is all that holds them
+        (the holder cannot help; an ending task's permit or slot will)."""
+        if self._stopped or key not in self._queues:
+            return False
+        if key not in self._ledgers:
+            return True  # never asked yet: no permits, no room used
+        return bool(self._within_room(key, *self._uncovered(key, self._clock())))
+
     def waited_on(self, key: str) -> bool:
         """Others wait for this client's reports on `key` (its last reply was contended or
         blocked): claims, draws and releases are then due at once, not at next_request_at."""

@@ -190,7 +190,10 @@ class Gate:
                 self.hooks.qos_increment()
             state.held[item] = Held(request, semaphore, key, group, enqueued_at,
                                     self.clock(), raised)
-        self.hooks.wake(True)  # it needs the holder: a collecting pump asks
+            # A collecting pump asks the holder for it, unless a permit at hand or a full
+            # pool is all it waits for: that pump would sweep every key for nothing.
+            collect = client.asks(key)
+        self.hooks.wake(collect)
 
     def _may_raise(self) -> bool:
         """Whether one more held message may raise prefetch: up to half of max_held while

@@ -58,7 +58,8 @@ def test_a_full_pool_holds_the_request_and_its_release_starts_it_on_a_light_pump
     gate, loop, first = leased_gate(pool=1)
     waiting = FakeRequest()
     gate.submit(waiting)
-    assert loop.take_wakes() == [True] and loop.qos == 1 and len(gate.state.held) == 1
+    # Its lease covers it; only the full pool holds it: nothing to ask the holder.
+    assert loop.take_wakes() == [False] and loop.qos == 1 and len(gate.state.held) == 1
     assert gate.pump() == [] and loop.started == [first.id]  # no free slot yet
     first.on_success(None)
     assert loop.take_wakes() == [False]  # a permit was passed on: start it, nothing to send
@@ -83,3 +84,12 @@ def test_a_contended_key_sends_its_news_at_once() -> None:
     assert loop.take_wakes() == [True]  # the draw is news for those who wait
     first.on_success(None)
     assert loop.take_wakes() == [True]  # and so is the release
+
+
+def test_a_held_request_no_permit_covers_wakes_a_collecting_pump() -> None:
+    gate, loop, _ = leased_gate(pool=2)
+    other = FakeRequest(key="acct-2")  # a slot is free, but acct-2 has no permit yet
+    gate.submit(other)
+    assert loop.take_wakes() == [True] and len(gate.state.held) == 1
+    (message,) = gate.pump()
+    assert message.key == "acct-2"

@@ -445,3 +445,22 @@ def test_a_stopped_client_admits_no_arrival() -> None:
     client = leased(clock, permits=3, running=1)
     client.stop()
     assert client.admit_now(KEY, None, "late") is None
+
+
+def test_asks_only_for_items_no_permit_covers_within_the_pool_room() -> None:
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0, handoff_linger=1.0)
+    client.capacity = 2
+    assert not client.asks(KEY)  # nothing queued
+    client.enqueue(KEY, None, "a", enqueued_at=clock.now)
+    assert client.asks(KEY)  # never asked: no permits yet
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("G1", permits=1, claim_deadline=clock.now + 10)]))
+    assert not client.asks(KEY)  # the grant covers it
+    client.enqueue(KEY, None, "b", enqueued_at=clock.now)
+    assert client.asks(KEY)  # one item uncovered, room for it in a pool of 2
+    (first,) = client.admit(limit=1)
+    assert first.item_id == "a"
+    client.capacity = 1
+    assert not client.asks(KEY)  # "a" runs and fills the pool's room for the key
