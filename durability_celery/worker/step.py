@@ -187,7 +187,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         with self._wake_lock:
             self._collect_wanted = self._collect_wanted or collect
             if self._wake_pending:
-                return  # the pump already asked for reads the flag after this
+                return  # a pump is already scheduled; it reads the flag when it runs
             self._wake_pending = True
         self.c.call_soon(self._woken)
 
