@@ -204,9 +204,12 @@ class Gate:
         of no-op tasks on grants only ran at 0.50 of plain Celery that way, and at
         0.80-1.18 with this rule (threads x 4, max_held 32; docs/benchmarks.md)."""
         raised = self.state.raised
-        if raised < (self.max_held + 1) // 2:
+        if raised < self._busy_limit():
             return True
         return raised < self.max_held and self._free() > 0
+
+    def _busy_limit(self) -> int:
+        return (self.max_held + 1) // 2
 
     def _admission_of(self, request: Any) -> tuple[str, str, str | None, float]:
         headers = request.request_dict
@@ -272,10 +275,12 @@ class Gate:
         state = self.state
         if len(state.held) == state.raised:
             return
+        # The pool is read once: raising prefetch frees no slot.
+        limit = self.max_held if self._free() > 0 else self._busy_limit()
         for entry in state.held.values():
+            if state.raised >= limit:
+                return
             if not entry.raised_qos:
-                if not self._may_raise():
-                    return
                 entry.raised_qos = True
                 state.raised += 1
                 self.hooks.qos_increment()
