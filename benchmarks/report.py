@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from benchmarks.plan import LABELS, SEMAPHORES, Plan
@@ -63,12 +63,12 @@ def _overhead(results: dict[str, Any]) -> list[str]:
         verdict = "" if target is None else f">= {target}: {met}"
         capped = "  (cut at the time bound)" if any(x["capped"] for x in cell.rows) else ""
         steady = "-" if cell.steady is None else f"{cell.steady:.2f}"
-        cpu = (f"{_median([x['worker_cpu_ms'] for x in cell.rows]):.2f} / "
-               f"{_median([x['holder_cpu_ms'] for x in cell.rows]):.2f}"
+        cpu = (f"{median([x['worker_cpu_ms'] for x in cell.rows]):.2f} / "
+               f"{median([x['holder_cpu_ms'] for x in cell.rows]):.2f}"
                if "worker_cpu_ms" in r else "")  # runs before the CPU columns existed
         spread = f"{min(cell.ratios):.2f}-{max(cell.ratios):.2f}"
         lines.append(f"   {r['pool']:<8} {r['keys']:>4} {_label(r):<68} "
-                     f"{_median([x['per_s'] for x in cell.rows]):>8.1f} {cell.ratio:>6.2f} "
+                     f"{median([x['per_s'] for x in cell.rows]):>8.1f} {cell.ratio:>6.2f} "
                      f"{spread:>9} {steady:>6} {cpu:>11}  {verdict}{capped}")
     return lines
 
@@ -83,11 +83,11 @@ class Cell:
 
     @property
     def ratio(self) -> float:
-        return _median(self.ratios)
+        return median(self.ratios)
 
     @property
     def steady(self) -> float | None:
-        return _median(self.steadies) if self.steadies else None
+        return median(self.steadies) if self.steadies else None
 
 
 def overhead_cells(rows: list[dict[str, Any]]) -> list[Cell]:
@@ -103,10 +103,6 @@ def overhead_cells(rows: list[dict[str, Any]]) -> list[Cell]:
         if r.get("steady_per_s") and steady.get(where):
             cell.steadies.append(r["steady_per_s"] / steady[where])
     return list(cells.values())
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def _label(row: dict[str, Any]) -> str:
