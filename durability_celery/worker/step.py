@@ -105,6 +105,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self._wake_pending = False
         self._collect_wanted = False
         self._running = False
+        self._loop = 0
+        """The event loop's thread (where start runs), once started."""
         # The strategy of AdmittedTask finds the gate here (strategy.py).
         c.durability_gate = self.gate
         c.durability_step = self
@@ -142,7 +144,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         return Hooks(handoff=handoff, pool_size=pool_size, busy=unadmitted_active,
                      qos_increment=lambda: c.qos.increment_eventually(),
                      qos_decrement=lambda: c.qos.decrement_eventually(),
-                     wake=self._wake)
+                     wake=self._wake, in_loop=lambda: threading.get_ident() == self._loop)
 
     # -- bootstep ----------------------------------------------------------------
 
@@ -158,6 +160,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         super().start(c)
+        self._loop = threading.get_ident()
         self._running = True
         self._timers = [c.timer.call_repeatedly(PUMP_INTERVAL, self.pump),
                         c.timer.call_repeatedly(SUMMARY_INTERVAL, log_summary, (self.gate,))]

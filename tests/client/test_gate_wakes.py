@@ -58,14 +58,30 @@ def test_a_full_pool_holds_the_request_and_its_release_starts_it_on_a_light_pump
     gate, loop, first = leased_gate(pool=1)
     waiting = FakeRequest()
     gate.submit(waiting)
-    # Its lease covers it; only the full pool holds it: nothing to ask the holder.
-    assert loop.take_wakes() == [False] and loop.qos == 1 and len(gate.state.held) == 1
+    # Its lease covers it; only the full pool holds it: nothing to ask the holder, and
+    # nothing a pump could start before a slot frees.
+    assert loop.take_wakes() == [] and loop.qos == 1 and len(gate.state.held) == 1
     assert gate.pump() == [] and loop.started == [first.id]  # no free slot yet
-    first.on_success(None)
+    first.on_success(None)  # from a pool thread
     assert loop.take_wakes() == [False]  # a permit was passed on: start it, nothing to send
+    assert loop.started == [first.id]
     assert gate.pump(collect=False) == []
     assert loop.started == [first.id, waiting.id] and loop.qos == 0
     assert gate.state.admitted_from["handoff"] == 1
+
+
+def test_a_release_on_the_event_loop_starts_its_successor_without_a_pump() -> None:
+    gate, loop, first = leased_gate(pool=1)
+    loop.in_loop = True  # a prefork pool's results arrive on the event loop
+    waiting, other = FakeRequest(), FakeRequest(key="acct-2")
+    gate.submit(waiting)
+    gate.submit(other)  # no permit for acct-2 yet: asks the holder
+    assert loop.take_wakes() == [True]
+    gate.pump()
+    first.on_success(None)
+    assert loop.started == [first.id, waiting.id] and loop.qos == 1
+    assert loop.take_wakes() == []  # the successor took the only slot: nothing to pump for
+    assert gate.state.admitted_from["handoff"] == 1 and gate.state.passed == []
 
 
 def test_a_freed_slot_wakes_the_pump_for_a_request_of_another_key() -> None:
