@@ -538,14 +538,24 @@ class SemaphoreClient:
         return self._admitted.get(item_id)
 
     def asks(self, key: str) -> bool:
-        """Whether `key` has demand to send: queued items that no permit at hand covers,
-        within the room the pool leaves. False when a full pool is all that holds them
-        (the holder cannot help; an ending task's permit or slot will)."""
+        """Whether `key` has demand to send now: queued items that no permit at hand
+        covers, within the room the pool leaves, and a message of the key due. False
+        when a full pool is all that holds them (the holder cannot help; an ending
+        task's permit or slot will), and while the key waits for its next_request_at or
+        a reply: the timer's pump sends the demand when it is due."""
         if self._stopped or key not in self._queues:
             return False
-        if key not in self._ledgers:
+        ledger = self._ledgers.get(key)
+        if ledger is None:
             return True  # never asked yet: no permits, no room used
-        return bool(self._within_room(key, *self._uncovered(key, self._clock())))
+        now = self._clock()
+        uncovered = self._uncovered(key, now)
+        if not self._within_room(key, *uncovered):
+            return False
+        at = ledger.due_at(now, self.claim_margin, timeout=self.request_timeout, demand=True,
+                           queued_groups=set(self._queues[key]), stopping=False,
+                           supersede_at=self._supersede_at(key, ledger, uncovered))
+        return at is not None and at <= now
 
     def waited_on(self, key: str) -> bool:
         """Others wait for this client's reports on `key` (its last reply was contended or

@@ -459,7 +459,11 @@ def test_asks_only_for_items_no_permit_covers_within_the_pool_room() -> None:
         grant("G1", permits=1, claim_deadline=clock.now + 10)]))
     assert not client.asks(KEY)  # the grant covers it
     client.enqueue(KEY, None, "b", enqueued_at=clock.now)
-    assert client.asks(KEY)  # one item uncovered, room for it in a pool of 2
+    # One item uncovered, room for it in a pool of 2, but nothing may go out before the
+    # reply's next_request_at: the timer's pump sends it then.
+    assert not client.asks(KEY)
+    clock.now += 2.0
+    assert client.asks(KEY)
     (first,) = client.admit(limit=1)
     assert first.item_id == "a"
     client.capacity = 1
