@@ -35,14 +35,14 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                      log_dir=LOG_DIR, label=f"overhead-{pool}") as cluster:
             for keys in plan.overhead_keys:
                 for n in range(plan.overhead_passes):
-                    # plain first and last: the reference is their mean, so a machine that
-                    # slows down or speeds up during a pass (it is shared) biases no variant.
-                    # One-shot permits wait a round per task, far from any target (most
-                    # runs reach the time bound): the first pass is enough for them.
-                    oneshot = ("leases_oneshot", "grants_oneshot") if n == 0 else ()
-                    rows += _throughputs(cluster, plan, pool, keys, (
-                        "plain", "diy", "leases", "grants", *oneshot, "leases_fast",
-                        "grants_fast", "plain"), passage=n)
+                    # The variants with targets run in every pass; the others, far from
+                    # any target or only for comparison, in the first (one-shot permits
+                    # wait a round per task, and most of their runs reach the time bound).
+                    others = (("diy", "leases_oneshot", "grants_oneshot", "leases_fast",
+                               "grants_fast") if n == 0 else ())
+                    rows += _throughputs(cluster, plan, pool, keys,
+                                         between_plain(("leases", "grants", *others)),
+                                         passage=n)
         if plan.raised_hold_keys:
             # Many keys on grants alone wait a round per held batch: a larger hold is the
             # setting that helps there (README, max_held).
@@ -52,9 +52,20 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                          log_dir=LOG_DIR, label=f"overhead-{pool}-held{held}") as cluster:
                 for n in range(plan.overhead_passes):
                     rows += _throughputs(cluster, plan, pool, plan.raised_hold_keys,
-                                         ("plain", "grants", "leases", "plain"),
+                                         between_plain(("grants", "leases")),
                                          max_held=held, passage=n)
     return rows
+
+
+def between_plain(variants: tuple[str, ...]) -> tuple[str, ...]:
+    """Every variant between two plain runs: each is compared with the mean of the two
+    (report.py). This machine is shared and its speed drifts by up to a third within
+    minutes; with plain only first and last in a pass, one cell moved by up to 0.23
+    between two runs of near-identical code."""
+    order = ["plain"]
+    for variant in variants:
+        order += [variant, "plain"]
+    return tuple(order)
 
 
 def _throughputs(cluster: Any, plan: Plan, pool: str, keys: int, variants: tuple[str, ...],

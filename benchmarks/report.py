@@ -49,8 +49,8 @@ def _overhead(results: dict[str, Any]) -> list[str]:
     lines = ["1. Overhead: no-op tasks, limit never binds (limit 50 per key, tasks spread over",
              "   1 or 16 keys), one client worker (concurrency 4, prefetch 1, max_held 32, the",
              "   default 8 x pool, unless a row says otherwise), one holder. ratio = tasks/s /",
-             "   mean of the two plain runs of that pool, key count, max_held and pass",
-             f"   (measured first and last); each cell is the median of {passes} pass(es), with",
+             "   mean of the plain runs just before and after it (every other run is plain);",
+             f"   each cell is the median of {passes} pass(es), with",
              "   the lowest and highest; cpu = CPU ms per task of the client worker (with its",
              "   pool) / of the holder; steady = that ratio between 30 % and 90 % of the",
              "   completions (no first rounds)",
@@ -92,16 +92,15 @@ class Cell:
 
 def overhead_cells(rows: list[dict[str, Any]]) -> list[Cell]:
     """The overhead rows grouped by pool, key count, hold and variant, in run order, each
-    run's ratio taken against the plain runs of its own pass."""
-    plain, steady = _plain_reference(rows), _plain_reference(rows, "steady_per_s")
+    run's ratio taken against the plain runs next to it (see `_references`)."""
+    plain, steady = _references(rows), _references(rows, "steady_per_s")
     cells: dict[tuple[str, int, int | None, str], Cell] = {}
-    for r in rows:
-        where = _where(r)
-        cell = cells.setdefault((*where[:3], r["variant"]), Cell([], [], []))
+    for n, r in enumerate(rows):
+        cell = cells.setdefault((*_where(r)[:3], r["variant"]), Cell([], [], []))
         cell.rows.append(r)
-        cell.ratios.append(r["per_s"] / plain[where])
-        if r.get("steady_per_s") and steady.get(where):
-            cell.steadies.append(r["steady_per_s"] / steady[where])
+        cell.ratios.append(r["per_s"] / plain[n])
+        if r.get("steady_per_s") and n in steady:
+            cell.steadies.append(r["steady_per_s"] / steady[n])
     return list(cells.values())
 
 
@@ -114,14 +113,27 @@ def _where(row: dict[str, Any]) -> tuple[str, int, int | None, int]:
     return row["pool"], row["keys"], row.get("max_held"), row.get("pass", 0)
 
 
-def _plain_reference(rows: list[dict[str, Any]], field: str = "per_s"
-                     ) -> dict[tuple[str, int, int | None, int], float]:
-    """Per pool, key count, hold and pass, the mean of the plain runs (first and last)."""
-    runs: dict[tuple[str, int, int | None, int], list[float]] = {}
-    for r in rows:
+def _references(rows: list[dict[str, Any]], field: str = "per_s") -> dict[int, float]:
+    """Per row (by index, rows in run order), the plain Celery figure it is compared with:
+    for an admitted or DIY run, the mean of the nearest plain runs before and after it
+    on the same pool, key count, hold and pass; for a plain run, the mean of its pass's
+    plain runs. Runs since 2026-12-01 put a plain run between every two others, so the
+    reference is the seconds just around the run: this machine's speed drifts by up to a
+    third within minutes. In older files plain ran first and last in each pass, and this
+    is the mean of those two, as it was then."""
+    plains: dict[tuple[str, int, int | None, int], list[int]] = {}
+    for n, r in enumerate(rows):
         if r["variant"] == "plain" and r.get(field):
-            runs.setdefault(_where(r), []).append(r[field])
-    return {where: sum(v) / len(v) for where, v in runs.items()}
+            plains.setdefault(_where(r), []).append(n)
+    out = {}
+    for n, r in enumerate(rows):
+        around = plains.get(_where(r), [])
+        if r["variant"] != "plain":
+            before, after = [i for i in around if i < n], [i for i in around if i > n]
+            around = before[-1:] + after[:1]
+        if around:
+            out[n] = sum(rows[i][field] for i in around) / len(around)
+    return out
 
 
 def _utilization(results: dict[str, Any]) -> list[str]:
