@@ -73,7 +73,8 @@ def _throughputs(cluster: Any, plan: Plan, pool: str, keys: int, variants: tuple
     rows = []
     for variant in variants:
         row = measure.throughput(cluster, variant, tasks=plan.overhead_tasks,
-                                 cap=plan.overhead_cap, keys=keys)
+                                 cap=plan.overhead_cap, keys=keys,
+                                 warm=plan.overhead_warm(keys))
         row["pool"], row["max_held"], row["pass"] = pool, max_held, passage
         rows.append(row)
         held = "" if max_held is None else f" max_held {max_held}"

@@ -41,14 +41,17 @@ def _settle(cluster: Cluster, run: str, expected: int, cap: float) -> int:
 
 
 def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
-               keys: int) -> dict[str, Any]:
-    """No-op tasks spread over `keys` keys whose limit never binds: tasks per second."""
+               keys: int, warm: int = 2) -> dict[str, Any]:
+    """No-op tasks spread over `keys` keys whose limit never binds: tasks per second.
+
+    `warm` tasks per key go first, unmeasured: connections, and each key's first grants
+    or leases (Plan.overhead_warm says how many)."""
     run = f"tp-{variant}-{secrets.token_hex(3)}"
     accounts = [f"{FREE_LIMIT}:{run}:{k}" for k in range(keys)]
     with cluster.app.producer_or_acquire() as producer:
-        for account in accounts:  # warm-up: connections, first grants or leases per key
-            _publish(cluster, variant, run + "-warm", account, FREE_LIMIT, 0.0, 2, producer)
-        _settle(cluster, run + "-warm", 2 * keys, cap)
+        for account in accounts:
+            _publish(cluster, variant, run + "-warm", account, FREE_LIMIT, 0.0, warm, producer)
+        _settle(cluster, run + "-warm", warm * keys, cap)
         cpu_before = cluster.cpu()
         started = time.perf_counter()
         for i in range(tasks):
