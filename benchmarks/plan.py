@@ -40,10 +40,12 @@ class Plan:
     overhead_pools: tuple[str, ...] = ("threads", "prefork")
     overhead_concurrency: int = 4
     overhead_keys: tuple[int, ...] = (1, 16)
-    overhead_passes: int = 3
-    """Times each pool and key count runs its whole variant list (plain first and last):
-    one cell varies by about +-0.05 between runs on this machine, and a target near
-    the ratio is judged on the median of the passes."""
+    overhead_passes: int = 5
+    """Times each pool and key count runs the variants with targets, each between two
+    plain runs (the others run in the first pass only). A target near the ratio is
+    judged on the median of the passes: on 2026-12-01 single runs of one cell ranged
+    0.72-1.27, and with three passes the leases medians of three cells came out
+    0.84-0.91 in a full run while 4-pass probes right after gave 0.96-0.98."""
     raised_hold: int = 32
     """max_held per pool slot of the extra overhead run (the default is 8)."""
     raised_hold_keys: int = 16
