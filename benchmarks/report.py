@@ -68,7 +68,7 @@ def _overhead(results: dict[str, Any]) -> list[str]:
                if "worker_cpu_ms" in r else "")  # runs before the CPU columns existed
         spread = f"{min(cell.ratios):.2f}-{max(cell.ratios):.2f}"
         lines.append(f"   {r['pool']:<8} {r['keys']:>4} {_label(r):<68} "
-                     f"{median([x['per_s'] for x in cell.rows]):>8.1f} {cell.ratio:>6.2f} "
+                     f"{median([x['per_s'] for x in cell.rows]):>8.1f} {cell.ratio:>6.3f} "
                      f"{spread:>9} {steady:>6} {cpu:>11}  {verdict}{capped}")
     return lines
 
