@@ -44,8 +44,8 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                                          between_plain(("leases", "grants", *others)),
                                          passage=n)
         if plan.raised_hold_keys:
-            # Many keys on grants alone wait a round per held batch: a larger hold is the
-            # setting that helps there (README, max_held).
+            # Many keys on grants alone wait a round per held batch: this run shows what
+            # a larger hold (README, max_held) changes there.
             held = plan.raised_hold * plan.overhead_concurrency
             config = suite_config(database, SEMAPHORES, max_held=held)
             with running(config, clients=1, pool=pool, concurrency=plan.overhead_concurrency,
