@@ -73,8 +73,9 @@ class Hooks:
     need only start requests whose permits are at hand."""
     in_loop: Callable[[], bool] = lambda: False
     """True in the event-loop thread, where a release may hand its passed-on permit's
-    task to the pool at once (a prefork pool's results arrive there); False in a pool
-    thread, whose release leaves that to a pump."""
+    task to the pool at once (a prefork pool's results arrive there; a solo pool runs
+    its tasks there, and `handoff` defers through the loop, so chains do not nest);
+    False in a pool thread, whose release leaves that to a pump."""
 
 
 @dataclass
