@@ -379,12 +379,17 @@ class SemaphoreClient:
         for key, ledger in self._ledgers.items():
             # Uncovered items keep the key talking every round_period even when the pool
             # has no room to ask for more: a reply may say over_limit (stop handoffs).
-            uncovered = self._uncovered(key, now)
-            queued = set(self._queues.get(key, {}))
-            yield key, ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
-                                     demand=bool(uncovered[0]), queued_groups=queued,
-                                     stopping=self._stopped,
-                                     supersede_at=self._supersede_at(key, ledger, uncovered))
+            yield key, self._due_at(key, ledger, now, self._uncovered(key, now))
+
+    def _due_at(self, key: str, ledger: KeyLedger, now: float,
+                uncovered: tuple[list[DemandEntry], int]) -> float | None:
+        """When `key` should send its next message (KeyLedger.due_at), given its
+        uncovered items: what due() and asks() both judge by."""
+        return ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
+                             demand=bool(uncovered[0]),
+                             queued_groups=set(self._queues.get(key, {})),
+                             stopping=self._stopped,
+                             supersede_at=self._supersede_at(key, ledger, uncovered))
 
     def _supersede_at(self, key: str, ledger: KeyLedger,
                       uncovered: tuple[list[DemandEntry], int]) -> float | None:
@@ -552,9 +557,7 @@ class SemaphoreClient:
         uncovered = self._uncovered(key, now)
         if not self._within_room(key, *uncovered):
             return False
-        at = ledger.due_at(now, self.claim_margin, timeout=self.request_timeout, demand=True,
-                           queued_groups=set(self._queues[key]), stopping=False,
-                           supersede_at=self._supersede_at(key, ledger, uncovered))
+        at = self._due_at(key, ledger, now, uncovered)
         return at is not None and at <= now
 
     def waited_on(self, key: str) -> bool:
