@@ -384,20 +384,21 @@ class Gate:
             client = self.clients[semaphore]
             permit = client.permit(item)
             successor = client.pass_on(item)
-            start = bool(self.state.held)
             if successor is not None and self.hooks.in_loop():
                 # On the event loop already (a prefork pool's results arrive there): the
                 # successor takes the freed slot now, with no pump in between; a pump
-                # is then needed only if another slot is free.
+                # is then needed only for another held request and another free slot.
                 self._start(semaphore, successor)
-                start = start and self._free() > 0
+                start = bool(self.state.held) and self._free() > 0
             elif successor is not None:
                 # From a pool thread: started by the pump, on the event loop, like
                 # every admission.
                 self.state.passed.append((semaphore, successor))
                 start = True
+            else:
+                start = bool(self.state.held)  # the freed slot may start one
             # A release is news for the holder only when others wait on it; otherwise
-            # it goes with the next report. A freed pool slot may start a held request.
+            # it goes with the next report.
             collect = permit is not None and client.waited_on(permit.key)
         if collect or start:
             self.hooks.wake(collect)

@@ -84,6 +84,19 @@ def test_a_release_on_the_event_loop_starts_its_successor_without_a_pump() -> No
     assert gate.state.admitted_from["handoff"] == 1 and gate.state.passed == []
 
 
+def test_an_event_loop_release_whose_successor_was_the_last_held_wakes_nothing() -> None:
+    gate, loop, first = leased_gate(pool=2)
+    loop.in_loop = True
+    loop.busy = 1  # a task the gate did not admit takes the other slot
+    waiting = FakeRequest()
+    gate.submit(waiting)  # the lease covers it, the pool is full: held
+    assert loop.take_wakes() == [] and len(gate.state.held) == 1
+    loop.busy = 0  # that task ended: a slot is free, nothing is held but `waiting`
+    first.on_success(None)
+    assert loop.started == [first.id, waiting.id] and gate.state.held == {}
+    assert loop.take_wakes() == []  # a free slot, but nothing held for a pump to start
+
+
 def test_a_freed_slot_wakes_the_pump_for_a_request_of_another_key() -> None:
     gate, loop, first = leased_gate(pool=1)
     other = FakeRequest(key="acct-2")
