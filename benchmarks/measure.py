@@ -41,7 +41,7 @@ def _settle(cluster: Cluster, run: str, expected: int, cap: float) -> int:
 
 
 def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
-               keys: int, warm: int = 2) -> dict[str, Any]:
+               keys: int, warm: int) -> dict[str, Any]:
     """No-op tasks spread over `keys` keys whose limit never binds: tasks per second.
 
     `warm` tasks per key go first, unmeasured: connections, and each key's first grants
