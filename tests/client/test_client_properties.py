@@ -5,11 +5,15 @@
 # admits an item twice, never uses more permits of a grant or lease than the
 # holder issued, never claims inside the claim margin, never draws from a lease
 # the holder already holds a final count for, and its held()/running() match.
+# due() passes by the keys it found quiet: after every step, a copy that looks at
+# every key must find the same keys due and leave the same reports.
 from __future__ import annotations
 
+import copy
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -139,11 +143,14 @@ _NO_DRAWS: Any = _NoDraws()
 
 
 class ClientMachine(RuleBasedStateMachine):
+    OPTIONS: ClassVar[Mapping[str, Any]] = {}
+    """More SemaphoreClient options, for a variant of the machine."""
+
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock(1000.0)
         self.client = SemaphoreClient(SEM, client_id="c1", clock=self.clock,
-                                      claim_margin=MARGIN, request_timeout=5.0)
+                                      claim_margin=MARGIN, request_timeout=5.0, **self.OPTIONS)
         self.holder = FakeHolder()
         self.wire: list[tuple[str, dict[str, Any]]] = []
         self.items = itertools.count()
@@ -193,6 +200,8 @@ class ClientMachine(RuleBasedStateMachine):
             assert (permit.key, permit.group) == self.queued.pop(permit.item_id)
             self.ever_admitted.add(permit.item_id)
             self.running[permit.item_id] = (permit.key, permit.group)
+            if permit.handed_off:
+                continue  # a permit kept idle since its item ended: used once already
             self.used[permit.source_id] = self.used.get(permit.source_id, 0) + 1
             if permit.source == "grant":
                 g = self.holder.grants.get(permit.source_id)
@@ -316,6 +325,14 @@ class ClientMachine(RuleBasedStateMachine):
         assert self.client.running() == counts(self.running)
 
     @invariant()
+    def passing_quiet_keys_by_misses_nothing(self) -> None:
+        fresh = copy.deepcopy(self.client)
+        fresh._quiet.clear()
+        assert self.client.due() == fresh.due(), "a key found quiet was due"
+        assert ({k: lg.reports() for k, lg in self.client._ledgers.items()}
+                == {k: lg.reports() for k, lg in fresh._ledgers.items()}), "a sweep was missed"
+
+    @invariant()
     def timing_is_sane(self) -> None:
         at = self.client.next_due_at()
         assert at is None or at == at  # never NaN
@@ -323,7 +340,32 @@ class ClientMachine(RuleBasedStateMachine):
             assert self.client.admit() == []
 
 
-ClientMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+class HandoffMachine(ClientMachine):
+    """The options a worker's gate uses: ended items pass their permits on or keep them
+    idle a while, idle leases go back, news supersedes a message in flight, and the pool's
+    size bounds demand."""
+
+    OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "handoff_window": 30.0, "handoff_linger": 1.0, "lease_idle": 3.0,
+        "supersede_after": 0.5, "capacity": 3}
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def pass_on(self, data: st.DataObject) -> None:
+        item = data.draw(st.sampled_from(sorted(self.running)))
+        key, group = self.running.pop(item)
+        successor = self.client.pass_on(item)
+        if successor is not None:
+            assert (successor.key, successor.group) == (key, group)
+            assert self.queued.pop(successor.item_id) == (key, group), "not a queued item"
+            assert successor.item_id not in self.ever_admitted, "admitted twice"
+            self.ever_admitted.add(successor.item_id)
+            self.running[successor.item_id] = (key, group)
+
+
+for machine in (ClientMachine, HandoffMachine):
+    machine.TestCase.settings = settings(
+        max_examples=100, stateful_step_count=50, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
 TestClientMachine = ClientMachine.TestCase
+TestHandoffMachine = HandoffMachine.TestCase
