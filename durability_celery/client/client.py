@@ -174,7 +174,7 @@ class SemaphoreClient:
         permits: list[Permit] = []
         for order in self._admissible(now):
             item = self._queued[order[2]]
-            permit = self._take(item, now)
+            permit = self._take(item.key, item.group, item.item_id, now)
             if permit is None:
                 continue  # its group ran dry; a younger item of another group may still go
             self.cancel(item.item_id)
@@ -193,8 +193,7 @@ class SemaphoreClient:
             return None
         if key not in self._ledgers or group in self._queues.get(key, ()):
             return None  # no permits for the key yet, or older items of the group come first
-        now = self._clock()
-        permit = self._take(_Queued(item_id, key, group, now, next(self._seq)), now)
+        permit = self._take(key, group, item_id, self._clock())
         if permit is not None:
             self._admitted[item_id] = permit
         return permit
@@ -217,24 +216,27 @@ class SemaphoreClient:
         held += sum(le.drawable(now) for le in ledger.leases.values() if le.group == group)
         return held + len(self._idle.get((key, group), ()))
 
-    def _take(self, item: _Queued, now: float) -> Permit | None:
+    def _take(self, key: str, group: str | None, item_id: str, now: float) -> Permit | None:
         """A grant claim (claimed early, never near its deadline), else a permit kept idle
         since its item ended (it goes back to the holder if unused), else a lease draw:
         the lease keeps its undrawn permits for the items no idle permit covers."""
-        self._changed(item.key)
-        return self._claim(item, now) or self._reuse_idle(item, now) or self._draw(item, now)
+        self._changed(key)
+        return (self._claim(key, group, item_id, now)
+                or self._reuse_idle(key, group, item_id, now)
+                or self._draw(key, group, item_id, now))
 
-    def _claim(self, item: _Queued, now: float) -> Permit | None:
-        grants = [g for g in self._ledgers[item.key].grants.values()
-                  if g.group == item.group and g.claimable(now, self.claim_margin)]
+    def _claim(self, key: str, group: str | None, item_id: str, now: float) -> Permit | None:
+        grants = [g for g in self._ledgers[key].grants.values()
+                  if g.group == group and g.claimable(now, self.claim_margin)]
         if not grants:
             return None
         grant = min(grants, key=lambda g: g.claim_deadline)
         grant.claimed += 1
-        return Permit(item.item_id, item.key, item.group, "grant", grant.grant_id, now)
+        return Permit(item_id, key, group, "grant", grant.grant_id, now)
 
-    def _reuse_idle(self, item: _Queued, now: float) -> Permit | None:
-        slot = (item.key, item.group)
+    def _reuse_idle(self, key: str, group: str | None, item_id: str,
+                    now: float) -> Permit | None:
+        slot = (key, group)
         idle = self._idle.get(slot)
         while idle:
             # The most recently kept one: taking the oldest would renew every kept permit
@@ -244,20 +246,20 @@ class SemaphoreClient:
             if not idle:
                 del self._idle[slot]
             if self._may_pass_on(kept, now):
-                return Permit(item.item_id, kept.key, kept.group, kept.source,
+                return Permit(item_id, kept.key, kept.group, kept.source,
                               kept.source_id, kept.since, handed_off=True)
             self._give_back(kept)  # its lease or grant went while it waited
         return None
 
-    def _draw(self, item: _Queued, now: float) -> Permit | None:
-        leases = [le for le in self._ledgers[item.key].leases.values()
-                  if le.group == item.group and le.drawable(now)]
+    def _draw(self, key: str, group: str | None, item_id: str, now: float) -> Permit | None:
+        leases = [le for le in self._ledgers[key].leases.values()
+                  if le.group == group and le.drawable(now)]
         if not leases:
             return None
         lease = min(leases, key=lambda le: le.expires_at)
         lease.drawn += 1  # one-shot: releasing never makes it drawable again
         lease.last_used = now
-        return Permit(item.item_id, item.key, item.group, "lease", lease.lease_id, now)
+        return Permit(item_id, key, group, "lease", lease.lease_id, now)
 
     def pass_on(self, item_id: str) -> Permit | None:
         """The admitted item ended: its permit goes to the next queued item, or is released.

@@ -228,11 +228,11 @@ class Gate:
         semaphore = headers.get(HEADER_SEMAPHORE)
         key = headers.get(HEADER_KEY)
         enqueued_at = headers.get(HEADER_ENQUEUED_AT)
-        task = request.task
-        admission = task.admission() if isinstance(task, AdmittedTask) else None
         if not isinstance(semaphore, str) or not isinstance(key, str):
             # Published without our headers (send_task by name from a producer
             # that lacks the task): recompute from the arguments.
+            task = request.task
+            admission = task.admission() if isinstance(task, AdmittedTask) else None
             if admission is None:
                 raise DurabilityError(f"task {request.name} has no admission settings")
             semaphore = admission.semaphore
