@@ -74,8 +74,12 @@ class Hooks:
     in_loop: Callable[[], bool] = lambda: False
     """True in the event-loop thread, where a release may hand its passed-on permit's
     task to the pool at once (a prefork pool's results arrive there; a solo pool runs
-    its tasks there, and `handoff` defers through the loop, so chains do not nest);
-    False in a pool thread, whose release leaves that to a pump."""
+    its tasks there, and `handoff` defers them to `run_deferred`, so chains do not
+    nest); False in a pool thread, whose release leaves that to a pump."""
+    run_deferred: Callable[[], None] = lambda: None
+    """Run what `handoff` deferred (a solo pool's tasks, which run inside the call):
+    called by `submit` and `release` once the lock is released, and by the step after
+    each pump. Re-entered from a task it runs, it returns: the outer call goes on."""
 
 
 @dataclass
@@ -145,6 +149,13 @@ class Gate:
     def submit(self, request: Any) -> None:
         """Start an admitted-type request (already reserved) on a permit at hand, or hold it
         until it gets one."""
+        self._submit(request)
+        # A solo pool's task runs here, still inside the message's own callback, as
+        # Celery runs it: Celery defers its ack to the loop's next turn, which then
+        # comes before the loop waits for the broker again.
+        self.hooks.run_deferred()
+
+    def _submit(self, request: Any) -> None:
         try:
             semaphore, key, group, enqueued_at = self._admission_of(request)
         except DurabilityError as exc:
@@ -402,6 +413,7 @@ class Gate:
             collect = permit is not None and client.waited_on(permit.key)
         if collect or start:
             self.hooks.wake(collect)
+        self.hooks.run_deferred()
 
     # -- the holder ------------------------------------------------------------
 

@@ -110,6 +110,11 @@ class Cluster:
     def ends(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.ledger.hgetall("ends").items()}
 
+    def in_delivery(self) -> dict[str, bool]:
+        """Tasks published with mode="where": whether each ran inside the callback that
+        delivered its message."""
+        return {k: v == "1" for k, v in self.ledger.hgetall("in_delivery").items()}
+
     def max_running(self, key: str, group: str | None = None) -> int:
         name = f"max:{key}" if group is None else f"max:{key}:{group}"
         return int(self.ledger.get(name) or 0)
@@ -125,9 +130,10 @@ class Cluster:
             time.sleep(0.1)
 
     def publish(self, n: int, *, key: str, group: str | None = None,
-                work: float = 0.2) -> list[str]:
+                work: float = 0.2, mode: str = "ok") -> list[str]:
         return [str(self.admitted.apply_async(
-            kwargs={"account": key, "group": group, "work": work}).id) for _ in range(n)]
+            kwargs={"account": key, "group": group, "work": work, "mode": mode}).id)
+            for _ in range(n)]
 
     def drained(self, ids: list[str], key: str, *, timeout: float) -> None:
         """Wait until every task of `ids` ended and the holder's usage of `key` is back

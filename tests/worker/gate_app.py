@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -95,6 +96,17 @@ def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
     return app, Durability(app, [semaphore], settings=settings)
 
 
+def _in_delivery() -> bool:
+    """Whether the calling task runs inside the worker's callback for a delivered
+    message (Celery's `on_task_received`), as a solo pool runs a task it gets."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "on_task_received":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def define_tasks(app: Celery, config: dict[str, Any]) -> tuple[Any, Any]:
     """The admitted task and a plain one, named the same in every process."""
     ledger = redis.Redis.from_url(config["ledger_url"])
@@ -103,6 +115,8 @@ def define_tasks(app: Celery, config: dict[str, Any]) -> tuple[Any, Any]:
 
     def run(task_id: str, account: str, group: str | None, work: float, mode: str) -> str:
         start_script(keys=[account, group or ""], args=[task_id, time.time()])
+        if mode == "where":
+            ledger.hset("in_delivery", task_id, int(_in_delivery()))
         try:
             if mode == "raise":
                 raise ValueError("task failed on purpose")

@@ -43,7 +43,8 @@ def drain(cluster_factory: Callable[..., Cluster], pool: str,
 
 
 # solo runs a task in the event loop's thread, so its end hands the permit's next
-# task to the pool from there (Hooks.in_loop), through the loop's call_soon.
+# task to the pool from there (Hooks.in_loop), after the task that ended
+# (GateStep.run_deferred).
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
 def test_finished_tasks_pass_their_permit_on_and_the_limit_holds(
         cluster_factory: Callable[..., Cluster], pool: str) -> None:
@@ -54,3 +55,28 @@ def test_finished_tasks_pass_their_permit_on_and_the_limit_holds(
     # One-shot permits need a round per LIMIT tasks at best; handoffs need far fewer.
     assert one_shot_rounds >= TASKS // LIMIT
     assert passed_rounds < one_shot_rounds, (passed_rounds, one_shot_rounds)
+
+
+# A solo pool runs a task inline, in the event loop's thread. The gate must run it
+# where Celery does: inside the callback that delivered its message. Deferred to the
+# loop's next turn (call_soon), Celery's ack of it came a turn later still, after the
+# loop had gone back to wait for the broker, so with a prefetch of 1 the next message
+# was fetched only when the gate's 50 ms timer woke the loop (22 no-op tasks a second
+# against plain Celery's 920, docs/internals.md).
+def test_solo_runs_an_admitted_task_inside_the_delivery_of_its_message(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    # round_wait 2 s: a finished task's permit waits that long for the next task.
+    cluster = cluster_factory(limits={"sk": 2}, round_wait=2.0, round_period=3.0)
+    cluster.start(clients=1, pool="solo", concurrency=1)
+    ids: list[str] = []
+    for _ in range(12):  # one at a time: none is held behind another
+        [task] = cluster.publish(1, key="sk", work=0.0, mode="where")
+        cluster.wait_for("the task to end", lambda t=task: t in cluster.ends(), timeout=30)
+        ids.append(task)
+    cluster.drained(ids, "sk", timeout=60)
+    where = cluster.in_delivery()
+    assert set(where) == set(ids)
+    # The first waited for the key's first round, held, and a pump started it; each
+    # later one found the permit its predecessor left and started on delivery.
+    assert not where[ids[0]]
+    assert all(where[task] for task in ids[1:]), where
