@@ -54,6 +54,16 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                     rows += _throughputs(cluster, plan, pool, plan.raised_hold_keys,
                                          between_plain(("grants", "leases")),
                                          max_held=held, passage=n)
+    if plan.solo_passes:
+        # solo runs each task inline on the event loop, one at a time, so its prefetch
+        # is 1: where each admitted task once waited for the pump's timer (22 tasks/s;
+        # docs/internals.md, "A solo pool's tasks").
+        config = suite_config(database, SEMAPHORES)
+        with running(config, clients=1, pool="solo", concurrency=1, log_dir=LOG_DIR,
+                     label="overhead-solo") as cluster:
+            for n in range(plan.solo_passes):
+                rows += _throughputs(cluster, plan, "solo", 1,
+                                     between_plain(("leases", "grants")), passage=n)
     return rows
 
 

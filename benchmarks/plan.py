@@ -46,6 +46,9 @@ class Plan:
     judged on the median of the passes: on 2026-12-01 single runs of one cell ranged
     0.72-1.27, and with three passes the leases medians of three cells came out
     0.84-0.91 in a full run while 4-pass probes right after gave 0.96-0.98."""
+    solo_passes: int = 3
+    """Passes of the solo pool (concurrency 1, one key; no target: the issue's are for
+    threads and prefork); 0: none."""
     raised_hold: int = 32
     """max_held per pool slot of the extra overhead run (the default is 8)."""
     raised_hold_keys: int = 16
@@ -81,7 +84,7 @@ def make_plan(quick: bool) -> Plan:
     if quick:
         return Plan(quick=True, overhead_tasks=300, overhead_cap=4.0,
                     overhead_pools=("threads",), overhead_keys=(1,), overhead_passes=1,
-                    raised_hold_keys=0,
+                    solo_passes=0, raised_hold_keys=0,
                     works=(1.0, 0.01),
                     limits=(20,),
                     busy_seconds={1.0: 3.0, 0.1: 1.5, 0.01: 1.5},

@@ -60,3 +60,18 @@ def test_a_target_is_met_only_when_the_median_reaches_it() -> None:
     grants = next(line for line in text.splitlines() if "grants only, defaults" in line)
     assert "0.946" in leases and "NOT met" in leases
     assert "0.800" in grants and ">= 0.8: met" in grants
+
+
+def test_solo_rows_are_shown_without_a_target() -> None:
+    # The issue sets the overhead targets for threads and prefork; solo is there to
+    # show the solo pool's own cost (one slot, prefetch 1).
+    rows = [row("plain", 1000, pool="solo"), row("leases", 900, pool="solo"),
+            row("plain", 1000, pool="solo")]
+    machine = {"utc": "2026-12-01 00:00:00 UTC", "nproc": 2, "ram_gb": 24, "python": "3.11",
+               "celery": "5.7.0", "kombu": "5.7.0", "redis": ["v=7"], "postgresql": "15",
+               "loadavg": [0.0, 0.0, 0.0]}
+    text = render_text({"overhead": rows, "machine_before": machine, "machine_after": machine,
+                        "command": "test", "seconds": 1.0}, make_plan(False))
+    solo = next(line for line in text.splitlines() if line.strip().startswith("solo")
+                and "leases" in line)
+    assert "0.900" in solo and "met" not in solo
