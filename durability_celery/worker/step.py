@@ -211,12 +211,17 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             logger.info("durability: %d held message(s) go back to the broker", dropped)
         # Admitted but never started (a solo pool's shutdown stops a running task, and
         # the tasks deferred behind it with it): their permits go back now, their
-        # messages with the channel.
+        # messages with the channel. The flag keeps release from running them; it is
+        # cleared after, since a lost broker connection stops this step and starts it
+        # again (left set, a solo worker ran no admitted task after a reconnect).
         self._running_deferred = True
-        while self._deferred:
-            request = self._deferred.popleft()
-            worker_state.reserved_requests.discard(request)
-            self.gate.release(item_id(request))
+        try:
+            while self._deferred:
+                request = self._deferred.popleft()
+                worker_state.reserved_requests.discard(request)
+                self.gate.release(item_id(request))
+        finally:
+            self._running_deferred = False
 
     # -- the loop --------------------------------------------------------------
 
