@@ -75,8 +75,9 @@ class SemaphoreClient:
         """key -> local time before which due() may pass the key by: not due, and nothing of
         it changes with time alone before then (see _quiet_until). Whatever changes a key
         drops its entry (_changed). Sweeping every known key on every collecting pump
-        cost a prefork worker's event loop about 5 % of its no-op throughput with 16
-        keys, and grows with the keys a worker has served."""
+        cost a prefork worker's event loop about 2 points of no-op throughput with 16
+        keys (leases 0.955 -> 0.979 of plain in probes), and grows with the keys a
+        worker has served."""
         self.capacity = capacity
         self.semaphore = semaphore
         self.client_id = client_id
