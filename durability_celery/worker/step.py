@@ -1,8 +1,9 @@
 # The consumer bootstep that puts the gate into a Celery worker: builds one
 # SemaphoreClient per semaphore under a fresh client id, consumes the worker's
-# reply queue, publishes request/sync messages to the holder queues, and runs
-# the gate's pump on the event loop's timer. Rule: everything that touches the
-# broker here runs in the event-loop thread; pool threads only release.
+# reply queue, publishes request/sync messages to the holder queues on a
+# connection of its own, and runs the gate's pump on the event loop's timer.
+# Rule: everything that touches the broker here runs in the event-loop thread;
+# pool threads only release.
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from typing import Any
 from celery import bootsteps
 from celery.concurrency.solo import TaskPool as SoloPool
 from celery.worker import state as worker_state
+from kombu.common import ignore_errors
 from kombu.messaging import Consumer, Producer
 
 from ..app import Durability
@@ -98,6 +100,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or HELD_PER_SLOT,
                          hold_deadline=settings.hold_deadline or DEFAULT_HOLD_DEADLINE)
         self.producer: Any = None
+        """Publishes to holders, on a connection of its own; built on first use."""
+        self._connection: Any = None
         self._pool_size = 0
         self._timers: list[Any] = []
         # Pool threads wake the loop as tasks end: the two flags change together under
@@ -179,7 +183,6 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         if self.durability.settings.hold_deadline is None:
             self.gate.hold_deadline = default_hold_deadline(
                 self.c.app, self.c.connection.transport.driver_type)
-        self.producer = Producer(channel, serializer="json")  # type: ignore[no-untyped-call]
         return [Consumer(  # type: ignore[no-untyped-call]
             channel, queues=[self.reply_queue], callbacks=[self._on_reply],
             no_ack=True, accept=["json"])]
@@ -195,10 +198,12 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def stop(self, c: Any) -> None:
         self._close_gate()
+        self._drop_producer()
         super().stop(c)
 
     def shutdown(self, c: Any) -> None:
         self._close_gate()
+        self._drop_producer()
         super().shutdown(c)
 
     def _close_gate(self) -> None:
@@ -270,12 +275,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.run_deferred()
 
     def _publish(self, message: Outgoing) -> None:
-        producer = self.producer
         try:
-            if producer is None:
-                raise RuntimeError("gate step not started")
-            if producer.connection is None:
-                producer = self._reopen()
+            producer = self.producer or self._open_producer()
             producer.publish(
                 message.body, exchange="",
                 routing_key=self.durability.queue_for(message.semaphore, message.key),
@@ -283,37 +284,36 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                 serializer="json", retry=True, retry_policy=_PUBLISH_RETRY,
             )
         except Exception as exc:
-            logger.warning("durability: sending to holder of %s/%s failed: %r",
-                           message.semaphore, message.key, exc)
+            logger.warning("durability: sending to holder of %s/%s failed (the next message "
+                           "opens a new connection): %r", message.semaphore, message.key, exc)
+            self._drop_producer()
             self.gate.failed(message)
 
-    def _reopen(self) -> Any:
-        """A channel on the worker's current connection, with a new producer and reply
-        consumer, for a step left on a connection that Celery has collected.
+    def _open_producer(self) -> Any:
+        """A producer on a broker connection of the step's own, as Celery's event
+        dispatcher has one (consumer/events.py).
 
-        Celery collects a lost broker connection and restarts every consumer step
-        on the next. Twice in about 90 runs of the large-hold broker-restart test
-        (tests/faults/test_services.py), one worker went on pumping with a producer
-        whose channel belonged to the collected connection, so its releases never
-        reached the holder and its running task's permit stayed counted. The likely
-        collector is this step's own publish: kombu's retry (ensure) collects the
-        producer's connection on a connection error, and that is the worker's own,
-        while Celery, whose loop had not failed, restarts nothing. In a probe of 20
-        broker restarts this happened 3 times (and was repaired here). Publishing
-        without the retry avoided it in 18 runs, but one of those died of a stale
-        ack in kombu ("Unrecoverable error"), so the retry stays until that is
-        understood. This is what the restart would have done, with a warning."""
-        c = self.c
-        if c.connection is None:
-            raise ConnectionError("no broker connection: the worker is reconnecting")
-        logger.warning("durability: the gate's channel is gone (closed, or on a lost broker "
-                       "connection); opening a new one")
-        try:
-            self._close(c)  # ConsumerStep's own: cancel the reply consumer, close its channel
-        except Exception as exc:  # a dead channel raises more than connection errors
-            logger.debug("durability: closing the lost gate channel: %r", exc)
-        bootsteps.ConsumerStep.start(self, c)
+        On the worker's consumer connection (as it was until 2026-12), a publish that
+        met a dead broker ended the worker's consumption: kombu's retry
+        (`Connection.ensure`) collects the connection it publishes on, and that was the
+        one Celery consumes tasks on; Celery, whose loop had seen no error, restarted
+        nothing, and no BRPOP was sent again. A solo worker (whose loop is blocked while
+        its tasks run, so its publish meets the dead broker first) stopped taking tasks
+        after every broker restart; a threads worker did in about 1 of 7. On a
+        connection of its own, the retry collects only that; Celery sees its own
+        connection fail and restarts the consumer. No heartbeats: nothing reads this
+        connection, and a connection that died idle fails its next publish, which drops
+        it (`_drop_producer`) for a new one. One attempt to connect: the loop must not
+        wait out a broker outage here, and the gate asks again after a failure."""
+        self._connection = self.c.app.connection_for_write(heartbeat=0)
+        self.producer = Producer(  # type: ignore[no-untyped-call]
+            self._connection.channel(), serializer="json")
         return self.producer
+
+    def _drop_producer(self) -> None:
+        connection, self._connection, self.producer = self._connection, None, None
+        if connection is not None:
+            ignore_errors(connection, connection.release)  # type: ignore[no-untyped-call]
 
     def _on_reply(self, body: Any, message: Any) -> None:
         correlation_id = message.properties.get("correlation_id")

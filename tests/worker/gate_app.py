@@ -26,14 +26,14 @@ CONFIG_ENV = "DC_GATE_TEST_CONFIG"
 
 
 @control_command()  # type: ignore[untyped-decorator]
-def gate_test_close_channel(state: Any) -> dict[str, Any]:
-    """Tests only: close the gate step's channel under it, as a step that Celery
-    left on a collected broker connection has it (test_reopen.py)."""
+def gate_test_collect_publisher(state: Any) -> dict[str, Any]:
+    """Tests only: collect the gate step's publishing connection under it, as kombu's
+    publish retry does to a connection whose broker went away (test_reopen.py)."""
     step = getattr(state.consumer, "durability_step", None)
-    if step is None or step.producer is None:
-        return {"closed": False}  # the holder has no gate
-    step.producer.channel.close()
-    return {"closed": True}
+    if step is None or step._connection is None:
+        return {"collected": False}  # the holder has no gate
+    step._connection.collect()
+    return {"collected": True}
 
 # KEYS: key, group ("" for none); ARGV: task id, now. Counts this start, tracks the
 # highest concurrency ever seen per key and per (key, group).
