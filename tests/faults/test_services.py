@@ -24,8 +24,8 @@ def ended(cluster: FaultCluster) -> int:
 
 
 @pytest.mark.parametrize(("pool", "max_held"), [
-    ("threads", None), ("threads", 64), ("solo", None), ("prefork", None),
-], ids=["threads-default-hold", "threads-large-hold", "solo-default-hold",
+    ("threads", None), ("threads", 64), ("solo", None), ("solo", 64), ("prefork", None),
+], ids=["threads-default-hold", "threads-large-hold", "solo-default-hold", "solo-large-hold",
         "prefork-default-hold"])
 def test_broker_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
                                 private_redis: PrivateRedis, pool: str,

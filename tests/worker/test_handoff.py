@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 
 from tests.worker.conftest import Cluster
 
@@ -80,3 +81,30 @@ def test_solo_runs_an_admitted_task_inside_the_delivery_of_its_message(
     # later one found the permit its predecessor left and started on delivery.
     assert not where[ids[0]]
     assert all(where[task] for task in ids[1:]), where
+
+
+# A solo worker runs a key's held tasks back to back, each ending task passing its
+# permit to the next (GateStep.run_deferred). Celery's loop must still turn within
+# the chain (CHAIN_BUDGET, 1 s): there it acks the tasks already run, sends
+# heartbeats and sees a lost broker. Without the budget, the acks of a chain came
+# only when it ended (a solo fault-test worker acked none of 14 tasks of 0.3 s).
+def test_a_solo_chain_lets_celery_ack_the_tasks_it_has_run(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(limits={"ck": 1}, round_wait=2.0, round_period=3.0)
+    cluster.start(clients=1, pool="solo", concurrency=1)
+    broker = redis.Redis.from_url(cluster.config["broker_url"])
+    ids = cluster.publish(8, key="ck", work=0.25)
+    seen: list[tuple[int, int]] = []  # (tasks ended, messages unacked) while the chain runs
+
+    def chain_half_done() -> bool:
+        ended = len(set(ids) & set(cluster.ends()))
+        seen.append((ended, int(broker.hlen("unacked"))))
+        return ended >= 6
+
+    cluster.wait_for("six tasks to end", chain_half_done, timeout=30)
+    cluster.drained(ids, "ck", timeout=30)
+    assert cluster.max_running("ck") == 1
+    # Held messages are unacked; the chain starts about a round after they arrive.
+    assert max(unacked for _, unacked in seen) >= 6, seen
+    # Four tasks run in one budget at most; by the sixth end, acks have come.
+    assert seen[-1][1] <= len(ids) - 4, seen
