@@ -184,16 +184,14 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         started = time.monotonic()
         try:
             while self._deferred:
+                if time.monotonic() - started >= CHAIN_BUDGET:  # never before the first
+                    self._resume_later()
+                    break
                 request = self._deferred.popleft()
                 try:
                     self._real_handoff(request)
                 except Exception:  # Celery handles a task's own errors; this is its bug
                     logger.exception("durability: starting task %s failed", request.id)
-                if not self._deferred:
-                    break
-                if time.monotonic() - started >= CHAIN_BUDGET:
-                    self._resume_later()
-                    break
         finally:
             self._running_deferred = False
 
@@ -239,12 +237,10 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def stop(self, c: Any) -> None:
         self._close_gate()
-        self._drop_producer()
         super().stop(c)
 
     def shutdown(self, c: Any) -> None:
         self._close_gate()
-        self._drop_producer()
         super().shutdown(c)
 
     def _close_gate(self) -> None:
@@ -269,6 +265,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         finally:
             self._running_deferred = False
             self._parked = False  # a resume still scheduled finds nothing to run
+        self._drop_producer()
 
     # -- the loop --------------------------------------------------------------
 
