@@ -75,6 +75,13 @@ def test_two_processes_never_over_allocate(database_url: str) -> None:
 @pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 def test_without_the_row_lock_the_harness_sees_over_allocation(database_url: str) -> None:
     # PostgreSQL only: on SQLite, BEGIN IMMEDIATE serializes rounds even without the row lock.
-    summaries, _ = _run(database_url, rounds=80, unlocked=True)
-    found = [v for s in summaries for v in s["violations"]]
-    assert found, "removing the key row lock should have let two rounds over-allocate"
+    # A run usually shows 15-18 violations per process; one CI run of ~20 showed none,
+    # for a reason its log did not tell. So up to 3 runs, each summary kept for the message.
+    tried: list[list[dict[str, Any]]] = []
+    for _ in range(3):
+        summaries, _ = _run(database_url, rounds=80, unlocked=True)
+        tried.append(summaries)
+        if any(s["violations"] for s in summaries):
+            return
+    pytest.fail(f"removing the key row lock should have let two rounds over-allocate; "
+                f"3 runs saw none: {tried}")
