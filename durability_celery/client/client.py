@@ -14,8 +14,9 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any, Literal, NamedTuple
 
 from ..core.messages import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, DemandEntry, Request
 from ..errors import CallerError, InvalidMessage
@@ -24,11 +25,14 @@ from .replies import ErrorReply, parse_reply
 
 Order = tuple[float, int, str]
 """How queued items sort: (enqueued_at, arrival sequence, item_id)."""
+_UNTIL = itemgetter(0)  # kept idle permits, (until, permit), sort by until
 
 
-@dataclass(frozen=True)
-class Permit:
-    """The permit an admitted item runs under."""
+class Permit(NamedTuple):
+    """The permit an admitted item runs under.
+
+    A NamedTuple, not a frozen dataclass: one is built for nearly every admitted
+    task, and a frozen dataclass costs 1.0 us to build against 0.4 us here."""
 
     item_id: str  # e.g. the Celery task id
     key: str
@@ -227,7 +231,10 @@ class SemaphoreClient:
                 or self._draw(key, group, item_id, now))
 
     def _claim(self, key: str, group: str | None, item_id: str, now: float) -> Permit | None:
-        grants = [g for g in self._ledgers[key].grants.values()
+        ledger = self._ledgers[key]
+        if not ledger.grants:
+            return None  # a key served by leases alone: tried first for every item
+        grants = [g for g in ledger.grants.values()
                   if g.group == group and g.claimable(now, self.claim_margin)]
         if not grants:
             return None
@@ -296,13 +303,13 @@ class SemaphoreClient:
             until = min(now + self.handoff_linger, permit.since + self.handoff_window)
             if until > now:
                 bisect.insort(self._idle.setdefault((permit.key, permit.group), []),
-                              (until, permit), key=lambda idle: idle[0])
+                              (until, permit), key=_UNTIL)
             else:
                 self._give_back(permit)
             return None
         successor = queue[0][2]
         self.cancel(successor)
-        passed = replace(permit, item_id=successor, handed_off=True)
+        passed = permit._replace(item_id=successor, handed_off=True)
         self._admitted[successor] = passed
         return passed
 
