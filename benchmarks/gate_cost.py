@@ -1,13 +1,17 @@
 # The gate's own CPU per admitted task, in process: Gate.submit, the release
 # hook and the timer's pump every 32 tasks, with a lease in hand and five more
-# semaphores configured but unused (as in the overhead section's worker). A
-# diagnostic, not a comparison: it says how much of section 1's extra CPU per
-# task is the gate's Python and how much is elsewhere in the worker.
+# semaphores configured but unused (as in the overhead section's worker). Two
+# paths: a free pool slot (the task starts at once), and a full pool (the task
+# is held, and starts when an ending task passes its permit on: under load on
+# a threads pool, most tasks). A diagnostic, not a comparison: it says how much
+# of section 1's extra CPU per task is the gate's Python and how much is
+# elsewhere in the worker.
 #
 #   python -m benchmarks.gate_cost [--tasks 20000] [--profile]
 #
 # Needs no service. Prints microseconds per task (best of 5 runs) and, with
-# --profile, the top of a cProfile of one more run (which slows it several fold).
+# --profile, the top of a cProfile of one more run of each (which slows it
+# several fold).
 from __future__ import annotations
 
 import argparse
@@ -15,6 +19,8 @@ import cProfile
 import itertools
 import pstats
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from durability_celery.client import SemaphoreClient
@@ -54,10 +60,14 @@ class _Request:
         self._durability_release(self._durability_item)
 
 
-def make_gate() -> Gate:
-    hooks = Hooks(handoff=lambda request: None, pool_size=lambda: 4, busy=lambda: 0,
+POOL = 4
+
+
+def make_gate(wakes: list[bool] | None = None) -> Gate:
+    """A gate whose wakes (if `wakes`) are recorded for the caller to pump."""
+    hooks = Hooks(handoff=lambda request: None, pool_size=lambda: POOL, busy=lambda: 0,
                   qos_increment=lambda: None, qos_decrement=lambda: None,
-                  wake=lambda collect: None)
+                  wake=lambda collect: None if wakes is None else wakes.append(collect))
     names = [SEMAPHORE] + [f"unused-{i}" for i in range(5)]
     clients = {name: SemaphoreClient(name, client_id="bench/1", handoff_window=60.0,
                                      handoff_linger=1.0, supersede_after=0.5)
@@ -79,6 +89,7 @@ def make_gate() -> Gate:
 
 
 def run(gate: Gate, tasks: int) -> None:
+    """A free pool slot for every task."""
     for i in range(tasks):
         request = _Request()
         gate.submit(request)  # starts at once: the lease is in hand, and asks for no pump
@@ -87,27 +98,58 @@ def run(gate: Gate, tasks: int) -> None:
         request.on_success(None)  # the instrumented hook releases (keeps) the permit
 
 
+def held_runner() -> tuple[Gate, Callable[[Gate, int], None]]:
+    """A full pool: each arrival is held, then an ending task passes its permit to it
+    from a pool thread, and a pump (the wake's) starts it."""
+    wakes: list[bool] = []
+    gate = make_gate(wakes)
+    running: deque[_Request] = deque()
+    for _ in range(POOL):
+        request = _Request()
+        gate.submit(request)
+        running.append(request)
+
+    def run_held(gate: Gate, tasks: int) -> None:
+        for i in range(tasks):
+            request = _Request()
+            gate.submit(request)  # held: no pool slot
+            running.popleft().on_success(None)  # passes its permit on, wakes the loop
+            running.append(request)
+            if wakes:
+                wakes.clear()
+                gate.pump(collect=False)
+            if i % TIMER_EVERY == 0:
+                gate.pump()
+
+    return gate, run_held
+
+
+def measure(label: str, gate: Gate, runner: Callable[[Gate, int], None],
+            options: argparse.Namespace) -> None:
+    runner(gate, 1000)  # warm up
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        runner(gate, options.tasks)
+        best = min(best, time.perf_counter() - started)
+    print(f"gate CPU per admitted task, {label}: {best / options.tasks * 1e6:.1f} us "
+          f"(best of 5 runs of {options.tasks})")
+    if options.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        runner(gate, options.tasks // 4)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gate_cost",
                                      description=__doc__)
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--profile", action="store_true")
     options = parser.parse_args()
-    gate = make_gate()
-    run(gate, 1000)  # warm up
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        run(gate, options.tasks)
-        best = min(best, time.perf_counter() - started)
-    print(f"gate CPU per admitted task: {best / options.tasks * 1e6:.1f} us "
-          f"(best of 5 runs of {options.tasks})")
-    if options.profile:
-        profile = cProfile.Profile()
-        profile.enable()
-        run(gate, options.tasks // 4)
-        profile.disable()
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(20)
+    measure("a pool slot free", make_gate(), run, options)
+    measure("the pool full (held, then passed on)", *held_runner(), options)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+"""The gate_cost diagnostic measures the two paths it names: with a pool slot free
+every task starts on the lease at once; with the pool full every task is held and
+starts on a permit passed on by an ending task. No services."""
+from __future__ import annotations
+
+from benchmarks.gate_cost import POOL, held_runner, make_gate, run
+
+
+def test_with_a_slot_free_every_task_starts_at_once_on_its_lease() -> None:
+    gate = make_gate()
+    run(gate, 200)
+    # One draw, then each ending task keeps its permit for the next arrival.
+    assert dict(gate.state.admitted_from) == {"lease": 1, "grant": 0, "handoff": 199}
+    assert gate.state.running == {} and gate.state.held == {}
+
+
+def test_with_the_pool_full_every_task_is_held_then_passed_on() -> None:
+    gate, run_held = held_runner()
+    run_held(gate, 200)
+    assert gate.state.admitted_from["handoff"] == 200
+    assert gate.state.admitted_from["lease"] == POOL  # the tasks that filled the pool
+    assert len(gate.state.running) == POOL and gate.state.held == {}
+    assert gate.state.raised == 0  # each hold's prefetch raise was taken back
