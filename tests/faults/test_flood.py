@@ -188,12 +188,13 @@ def test_flood_of_bad_messages_while_real_work_runs(
     # by the round's validation, also when it has no reply_to to be answered on.
     # Those without reply_to get no reply for drain() to wait on, so their lines may
     # still be on the way when every reply is in (a CI run read 15 of 16): wait.
-    cluster.wait_for(
-        "the holder to log every refused message",
-        lambda: (logged()["rejected"] >= silent
-                 and logged()["round_rejections"] >= 2 * ROUNDS
-                 and logged()["without_reply_to"] >= 2 * ROUNDS),
-        timeout=15, context=lambda: f"{logged()}, {silent} garbage, {ROUNDS} rounds")
+    def all_logged() -> bool:
+        counts = logged()  # one read of the log per check
+        return (counts["rejected"] >= silent and counts["round_rejections"] >= 2 * ROUNDS
+                and counts["without_reply_to"] >= 2 * ROUNDS)
+
+    cluster.wait_for("the holder to log every refused message", all_logged, timeout=15,
+                     context=lambda: f"{logged()}, {silent} garbage, {ROUNDS} rounds")
     round_rejections_logged = logged()["round_rejections"]
     outcome = check_invariants(cluster, frozen_ids + busy_ids, limits=LIMITS, timeout=60)
     report("flood", bad_messages=len(expected) + 2 * silent, error_replies=len(expected),
