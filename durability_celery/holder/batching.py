@@ -1,8 +1,9 @@
 # When the holder runs a round or a reclaim for each key: the waiting requests,
 # the round timer and the claim-deadline alarm, with no I/O and no clock (`now`
 # is always a parameter). Rule: at most one job per key at a time, and a key's
-# round starts at max(first waiting arrival + round_wait,
-# last round + round_period + a moment to gather the clients that reply told to ask then).
+# round starts at last round + round_period + a moment to gather the clients its
+# replies told to ask then, or, for a request arriving after that moment (or on a
+# key with no round yet), round_wait after it arrives.
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -96,10 +97,17 @@ class Batcher:
 
     def _round_at(self, key_id: KeyId, slot: _Slot) -> float:
         round_wait, round_period = self._timing(key_id[0])
-        at = slot.waiting[0].arrived_at + round_wait
+        first = slot.waiting[0].arrived_at
         if slot.last_round_at is not None:
-            at = max(at, slot.last_round_at + round_period + min(GATHER, round_wait))
-        return at
+            told = slot.last_round_at + round_period + min(GATHER, round_wait)
+            if first < told:
+                # It waited for the period, and the clients the last round told to ask
+                # at its end are gathered by `told`. Holding it a full round_wait past
+                # its arrival as well made a contended key's rounds round_period +
+                # round_wait apart (3 s at the defaults, not 2), and each permit that
+                # moved between workers idled that much longer (probes, 2026-12-01).
+                return told
+        return first + round_wait
 
     def take_due(self, now: float) -> list[Job]:
         """Jobs to start now; their keys are busy until `finished` is called."""

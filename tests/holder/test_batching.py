@@ -2,6 +2,8 @@
 # starts, that keys never run two jobs at once, and the claim-deadline alarm.
 from __future__ import annotations
 
+import pytest
+
 from durability_celery.holder.batching import GATHER, Batcher, Reclaim, Round, Waiting
 
 WAIT, PERIOD = 1.0, 2.0
@@ -48,6 +50,44 @@ def test_requests_sent_at_next_request_at_join_a_round_a_report_waits_for() -> N
     b.add(K, req(3.0 + GATHER / 2, 3))  # sent at 3.0, a few milliseconds in transit
     (job,) = b.take_due(3.0 + GATHER)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2, 3]
+
+
+def test_a_request_sent_when_told_starts_the_round_a_gathering_moment_later() -> None:
+    # A contended key: every reply says next_request_at = round + round_period, and the
+    # blocked clients ask then. Their round starts GATHER later, not round_wait later,
+    # so the key's rounds are round_period + GATHER apart, not round_period + round_wait.
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K)  # next_request_at = 3.0
+    b.add(K, req(3.004, 2))
+    assert b.round_at(K) == 3.0 + GATHER
+    assert b.take_due(3.0 + GATHER - 0.001) == []
+    (job,) = b.take_due(3.0 + GATHER)
+    assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2]
+    b.finished(K)  # next_request_at = 3.0 + GATHER + PERIOD
+    b.add(K, req(3.0 + GATHER + PERIOD + 0.004, 3))
+    assert b.round_at(K) == pytest.approx(3.0 + 2 * GATHER + PERIOD)
+
+
+def test_a_report_sent_just_before_the_period_ends_waits_only_for_it() -> None:
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K)
+    b.add(K, req(2.7, 2))  # a release; round_wait would run to 3.7
+    assert b.round_at(K) == 3.0 + GATHER
+
+
+def test_a_request_after_the_gathering_moment_waits_round_wait() -> None:
+    # Past last round + period + GATHER nobody was told to come: a burst starting now
+    # gets the whole round_wait to gather, as on a key with no round yet.
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K)
+    b.add(K, req(3.0 + GATHER, 2))
+    assert b.round_at(K) == 4.0 + GATHER
 
 
 def test_the_gathering_moment_never_exceeds_round_wait() -> None:

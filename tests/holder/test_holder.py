@@ -131,6 +131,25 @@ def test_rounds_of_one_key_are_round_period_apart(shared_rig: HolderRig) -> None
     assert rig.semaphore("period").state(key).rounds == 4
 
 
+def test_a_client_asking_when_told_gets_its_round_without_a_full_round_wait(
+        shared_rig: HolderRig) -> None:
+    # round_wait 1.0 > round_period 0.6: asking at each reply's next_request_at, as a
+    # blocked worker does, the round comes GATHER (0.1 s) after that, so rounds are
+    # about 0.7 s apart; holding each request round_wait would make them 1.6 s apart.
+    rig = shared_rig
+    client = rig.client("told", timeout=5.0)
+    key = f"acct-{uuid.uuid4().hex[:6]}"
+    reply = client.request(key)
+    times = [reply["round_at"]]
+    for _ in range(3):
+        time.sleep(max(0.0, reply["next_request_at"] - time.time()))
+        reply = client.request(key)
+        times.append(reply["round_at"])
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert all(gap >= 0.6 - 1e-6 for gap in gaps), gaps
+    assert all(gap < 1.2 for gap in gaps), gaps
+
+
 def test_the_deadline_timer_reclaims_with_no_traffic(shared_rig: HolderRig) -> None:
     rig = shared_rig
     client = rig.client("alarm", timeout=5.0)
