@@ -19,6 +19,15 @@ def req(at: float, n: int = 0) -> Waiting:
     return Waiting({"n": n}, "reply", f"c{n}", at)
 
 
+def after_one_round() -> Batcher:
+    """K had its round at 1.0, so its replies said next_request_at = 3.0."""
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K)
+    return b
+
+
 def test_requests_inside_round_wait_share_one_round() -> None:
     b = batcher()
     b.add(K, req(10.0, 1))
@@ -42,10 +51,7 @@ def test_rounds_of_one_key_are_round_period_apart() -> None:
 
 
 def test_requests_sent_at_next_request_at_join_a_round_a_report_waits_for() -> None:
-    b = batcher()
-    b.add(K, req(0.0, 1))
-    b.take_due(1.0)
-    b.finished(K)  # its replies say next_request_at = 3.0
+    b = after_one_round()
     b.add(K, req(1.2, 2))  # a report that waited the period out
     b.add(K, req(3.0 + GATHER / 2, 3))  # sent at 3.0, a few milliseconds in transit
     (job,) = b.take_due(3.0 + GATHER)
@@ -56,10 +62,7 @@ def test_a_request_sent_when_told_starts_the_round_a_gathering_moment_later() ->
     # A contended key: every reply says next_request_at = round + round_period, and the
     # blocked clients ask then. Their round starts GATHER later, not round_wait later,
     # so the key's rounds are round_period + GATHER apart, not round_period + round_wait.
-    b = batcher()
-    b.add(K, req(0.0, 1))
-    b.take_due(1.0)
-    b.finished(K)  # next_request_at = 3.0
+    b = after_one_round()
     b.add(K, req(3.004, 2))
     assert b.round_at(K) == 3.0 + GATHER
     assert b.take_due(3.0 + GATHER - 0.001) == []
@@ -71,10 +74,7 @@ def test_a_request_sent_when_told_starts_the_round_a_gathering_moment_later() ->
 
 
 def test_a_report_sent_just_before_the_period_ends_waits_only_for_it() -> None:
-    b = batcher()
-    b.add(K, req(0.0, 1))
-    b.take_due(1.0)
-    b.finished(K)
+    b = after_one_round()
     b.add(K, req(2.7, 2))  # a release; round_wait would run to 3.7
     assert b.round_at(K) == 3.0 + GATHER
 
@@ -82,10 +82,7 @@ def test_a_report_sent_just_before_the_period_ends_waits_only_for_it() -> None:
 def test_a_request_after_the_gathering_moment_waits_round_wait() -> None:
     # Past last round + period + GATHER nobody was told to come: a burst starting now
     # gets the whole round_wait to gather, as on a key with no round yet.
-    b = batcher()
-    b.add(K, req(0.0, 1))
-    b.take_due(1.0)
-    b.finished(K)
+    b = after_one_round()
     b.add(K, req(3.0 + GATHER, 2))
     assert b.round_at(K) == 4.0 + GATHER
 
@@ -154,10 +151,7 @@ def test_a_round_goes_before_a_due_alarm_and_the_alarm_follows() -> None:
 
 
 def test_idle_keys_are_forgotten_after_their_period() -> None:
-    b = batcher()
-    b.add(K, req(0.0, 1))
-    b.take_due(1.0)
-    b.finished(K)
+    b = after_one_round()
     b.take_due(2.0)
     assert b.round_at(K) is None
     b.take_due(3.0)

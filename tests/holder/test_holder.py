@@ -120,12 +120,23 @@ def test_many_clients_on_many_keys_stay_within_the_limit(shared_rig: HolderRig) 
         assert sem.usage(key).outstanding == 0, (key, sem.state(key))
 
 
+def _round_gaps(rig: HolderRig, semaphore: str, key: str, *, when_told: bool) -> list[float]:
+    """Seconds between the rounds of four requests in a row on `key`: each sent as
+    soon as the last reply came, or (`when_told`) at that reply's next_request_at."""
+    client = rig.client(semaphore, timeout=5.0)
+    replies = [client.request(key)]
+    for _ in range(3):
+        if when_told:
+            time.sleep(max(0.0, replies[-1]["next_request_at"] - time.time()))
+        replies.append(client.request(key))
+    times = [reply["round_at"] for reply in replies]
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
 def test_rounds_of_one_key_are_round_period_apart(shared_rig: HolderRig) -> None:
     rig = shared_rig
-    client = rig.client("period", timeout=5.0)
     key = f"acct-{uuid.uuid4().hex[:6]}"
-    times = [client.request(key)["round_at"] for _ in range(4)]
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    gaps = _round_gaps(rig, "period", key, when_told=False)
     assert all(gap >= 0.6 - 1e-6 for gap in gaps), gaps
     assert all(gap < 1.2 for gap in gaps), gaps  # and not much more than that
     assert rig.semaphore("period").state(key).rounds == 4
@@ -136,16 +147,7 @@ def test_a_client_asking_when_told_gets_its_round_without_a_full_round_wait(
     # round_wait 1.0 > round_period 0.6: asking at each reply's next_request_at, as a
     # blocked worker does, the round comes GATHER (0.1 s) after that, so rounds are
     # about 0.7 s apart; holding each request round_wait would make them 1.6 s apart.
-    rig = shared_rig
-    client = rig.client("told", timeout=5.0)
-    key = f"acct-{uuid.uuid4().hex[:6]}"
-    reply = client.request(key)
-    times = [reply["round_at"]]
-    for _ in range(3):
-        time.sleep(max(0.0, reply["next_request_at"] - time.time()))
-        reply = client.request(key)
-        times.append(reply["round_at"])
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    gaps = _round_gaps(shared_rig, "told", f"acct-{uuid.uuid4().hex[:6]}", when_told=True)
     assert all(gap >= 0.6 - 1e-6 for gap in gaps), gaps
     assert all(gap < 1.2 for gap in gaps), gaps
 
