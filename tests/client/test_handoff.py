@@ -179,6 +179,60 @@ def test_a_lingering_permit_goes_back_when_its_time_is_up() -> None:
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
 
 
+def contended_after_claim(clock: FakeClock) -> SemaphoreClient:
+    """A client whose claim of g1 was answered by a contended round at 1000.0: others
+    wait for the key, and its next round is at next_request_at, 1002.0."""
+    client = granted(clock, linger=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, contended=True, grants=[
+        grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
+    return client
+
+
+@pytest.mark.parametrize(("contended", "back_at"), [(True, 1002.0), (False, 1001.2)])
+def test_while_others_wait_an_idle_permit_is_kept_until_the_next_round(
+        contended: bool, back_at: float) -> None:
+    # Given back between rounds, the permit reaches nobody before the round anyway:
+    # kept until then, it still serves an item of its own that arrives meanwhile.
+    clock = FakeClock()
+    client = contended_after_claim(clock) if contended else granted(clock, linger=1.0)
+    if not contended:
+        client.message(KEY)
+        client.on_response(KEY, reply(clock.now, grants=[
+            grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
+    clock.advance(0.2)
+    assert client.pass_on("run-0") is None
+    assert client.next_due_at() == pytest.approx(back_at)
+    clock.advance(back_at - clock.now - 0.01)
+    assert client.due() == []
+    clock.advance(0.01)
+    client.due()  # the pump's tick: the permit goes back
+    client.enqueue(KEY, None, "late", enqueued_at=clock.now)
+    assert client.admit() == []
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_while_others_wait_a_permit_idle_just_before_a_round_goes_back_for_it() -> None:
+    # Kept for the whole linger, it would miss the round and idle a round_period more
+    # while another worker's items wait for it.
+    clock = FakeClock()
+    client = contended_after_claim(clock)
+    clock.advance(1.9)
+    assert client.pass_on("run-0") is None
+    assert client.next_due_at() == pytest.approx(1002.0)
+    clock.advance(0.1)
+    assert client.due() == [KEY], "others wait: the release goes out at once"
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_with_no_reply_since_the_next_rounds_are_projected_every_round_period() -> None:
+    clock = FakeClock()
+    client = contended_after_claim(clock)
+    clock.advance(4.5)  # rounds at 1002 and 1004 passed unheard; the next is at 1006
+    assert client.pass_on("run-0") is None
+    assert client.next_due_at() == pytest.approx(1006.0)
+
+
 def test_a_burst_after_the_permit_went_back_waits_for_the_next_request_at() -> None:
     # README, "Handoff": on grants alone a pause longer than the linger costs the next
     # burst up to round_period + round_wait; the benchmarks' warm-up ran into it.
