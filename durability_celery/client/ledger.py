@@ -200,8 +200,9 @@ class KeyLedger:
 
     def round_from(self, at: float) -> float | None:
         """The first local time at or after `at` when a message still makes one of the
-        key's rounds, projected every round_period from next_request_at; None: unknown."""
-        if self.round_period <= 0 or self.last_round_at == -math.inf:
+        key's rounds, projected every round_period from next_request_at; None: unknown
+        (no reply applied yet: round_period is set with next_request_at)."""
+        if self.round_period <= 0:
             return None
         if at <= self.next_request_at:
             return self.next_request_at

@@ -179,12 +179,13 @@ def test_a_lingering_permit_goes_back_when_its_time_is_up() -> None:
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
 
 
-def contended_after_claim(clock: FakeClock) -> SemaphoreClient:
-    """A client whose claim of g1 was answered by a contended round at 1000.0: others
-    wait for the key, and its next round is at next_request_at, 1002.0."""
+def contended_after_claim(clock: FakeClock, *, contended: bool = True) -> SemaphoreClient:
+    """A client whose claim of g1 was answered by a round at 1000.0, contended unless
+    told otherwise: others wait for the key, and its next round is at next_request_at,
+    1002.0."""
     client = granted(clock, linger=1.0)
     client.message(KEY)
-    client.on_response(KEY, reply(clock.now, contended=True, grants=[
+    client.on_response(KEY, reply(clock.now, contended=contended, grants=[
         grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
     return client
 
@@ -195,11 +196,7 @@ def test_while_others_wait_an_idle_permit_is_kept_until_the_next_round(
     # Given back between rounds, the permit reaches nobody before the round anyway:
     # kept until then, it still serves an item of its own that arrives meanwhile.
     clock = FakeClock()
-    client = contended_after_claim(clock) if contended else granted(clock, linger=1.0)
-    if not contended:
-        client.message(KEY)
-        client.on_response(KEY, reply(clock.now, grants=[
-            grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
+    client = contended_after_claim(clock, contended=contended)
     clock.advance(0.2)
     assert client.pass_on("run-0") is None
     assert client.next_due_at() == pytest.approx(back_at)
