@@ -87,7 +87,9 @@ def _then_ended(on_success: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return on_success(self, *args, **kwargs)
         finally:
-            self._durability_ended()
+            release = self._durability_release  # _durability_ended, inlined: every task
+            if release is not None:
+                release(self._durability_item)
 
     return on_success_then_release
 

@@ -77,8 +77,12 @@ def unadmitted_active() -> int:
     under load that killed a threads worker's consumer (benchmark, section 2). So the
     count iterates a copy of its references; `set.copy` runs in C, under the GIL."""
     refs = worker_state.active_requests.data.copy()
-    return sum(1 for ref in refs
-               if (r := ref()) is not None and getattr(r, "_durability_release", None) is None)
+    count = 0
+    for ref in refs:  # a loop, not sum() over a generator: this runs for every admission
+        request = ref()
+        if request is not None and getattr(request, "_durability_release", None) is None:
+            count += 1
+    return count
 
 
 class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
@@ -161,7 +165,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                 real_on_task_request(request)
 
         def pool_size() -> int:
-            return int(getattr(c.pool, "num_processes", 0) or c.controller.concurrency or 1)
+            # As _fit_pool last read it (every collecting pump): asked for every
+            # admission, and reading the pool goes through two properties.
+            return self._pool_size or self._read_pool_size()
 
         return Hooks(handoff=handoff, pool_size=pool_size, busy=unadmitted_active,
                      qos_increment=lambda: c.qos.increment_eventually(),
@@ -286,7 +292,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         wakes with news for the holder): an autoscaled pool (`--autoscale`) grows as held
         tasks wait (they count as reserved), and with the size it started at, demand
         stayed at its minimum whatever it grew to."""
-        size = self.hooks.pool_size()
+        size = self._read_pool_size()
         if size == self._pool_size:
             return
         with self.gate.lock:
@@ -295,6 +301,10 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                 self.gate.max_held = HELD_PER_SLOT * size
             for client in self.clients.values():
                 client.capacity = size
+
+    def _read_pool_size(self) -> int:
+        c = self.c
+        return int(getattr(c.pool, "num_processes", 0) or c.controller.concurrency or 1)
 
     def pump(self, *, collect: bool = True) -> None:
         """The timer's pump collects messages; a wake's only if a wake asked it to."""

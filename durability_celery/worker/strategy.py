@@ -18,12 +18,12 @@ class GatedConsumer:
     def __init__(self, consumer: Any, gate: Any) -> None:
         self._consumer = consumer
         self._gate = gate
+        # The default strategy reserved the request already. The gate's own method, not
+        # one of ours that calls it: the strategy calls it for every admitted message.
+        self.on_task_request = gate.submit
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)
-
-    def on_task_request(self, request: Any) -> None:
-        self._gate.submit(request)  # the default strategy reserved it already
 
     def apply_eta_task(self, request: Any) -> None:
         # The ETA is due: same bookkeeping as Consumer.apply_eta_task, into the gate.
