@@ -5,19 +5,23 @@
 # is held, and starts when an ending task passes its permit on: under load on
 # a threads pool, most tasks). A diagnostic, not a comparison: it says how much
 # of section 1's extra CPU per task is the gate's Python and how much is
-# elsewhere in the worker.
+# elsewhere in the worker. With --cold, the free-slot path also runs with the
+# caches cold before each call, as in a worker, where Celery's own work runs
+# between one admission and the next: that costs several times the warm figure.
 #
-#   python -m benchmarks.gate_cost [--tasks 20000] [--profile]
+#   python -m benchmarks.gate_cost [--tasks 20000] [--profile] [--cold]
 #
-# Needs no service. Prints microseconds per task (best of 5 runs) and, with
-# --profile, the top of a cProfile of one more run of each (which slows it
-# several fold).
+# Needs no service. Prints microseconds per task (best of 5 runs; with --cold,
+# the median of 5 runs of 1,500, per call) and, with --profile, the top of a
+# cProfile of one more run of each (which slows it several fold).
 from __future__ import annotations
 
 import argparse
 import cProfile
 import itertools
 import pstats
+import random
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -142,14 +146,69 @@ def measure(label: str, gate: Gate, runner: Callable[[Gate, int], None],
         pstats.Stats(profile).sort_stats("cumulative").print_stats(20)
 
 
+COLD_TASKS = 1500
+
+
+def _nothing(_: Any) -> None:
+    """The timer's own cost: a call that does nothing."""
+
+
+class _Caches:
+    """Evicts the caches between calls: reads 3,000 dicts at random out of 200,000 and
+    writes a byte in each page of 8 MiB, about what a worker's own work per task does
+    to them (the gate's calls cost about as much here as in a real worker's)."""
+
+    def __init__(self) -> None:
+        self.objects = [{"n": i, "s": i * 2} for i in range(200_000)]
+        self.pages = bytearray(8 * 1024 * 1024)
+
+    def evict(self) -> int:
+        total = sum(entry["n"] for entry in random.sample(self.objects, 3000))
+        self.pages[::4096] = bytes(len(self.pages) // 4096)
+        return total
+
+
+def measure_cold(*, tasks: int = COLD_TASKS, runs: int = 5) -> None:
+    """The free-slot path, each call timed alone (thread CPU time) after evicting the
+    caches. A pool thread's release only queues the item; the event loop releases it
+    in the next submit, which is where its cost shows."""
+    caches = _Caches()
+    clock = time.thread_time_ns
+    times: dict[str, list[float]] = {"submit": [], "release": [], "timer": []}
+    for _ in range(runs):
+        gate = make_gate()
+        spent = {name: 0 for name in times}
+        for _ in range(tasks):
+            request = _Request()
+            calls: tuple[tuple[str, Callable[[Any], object], Any], ...] = (
+                ("submit", gate.submit, request), ("release", request.on_success, None),
+                ("timer", _nothing, None))
+            for name, call, argument in calls:
+                caches.evict()
+                started = clock()
+                call(argument)
+                spent[name] += clock() - started
+        for name, total in spent.items():
+            times[name].append(total / tasks / 1000)
+    timer = statistics.median(times["timer"])
+    submit, release = (statistics.median(times[name]) - timer for name in ("submit", "release"))
+    print(f"gate CPU per admitted task, a pool slot free, caches cold: submit {submit:.1f} us"
+          f" + release {release:.1f} us = {submit + release:.1f} us (median of {runs} runs of "
+          f"{tasks}; the timer's own {timer:.1f} us taken off each)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gate_cost",
                                      description=__doc__)
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cold", action="store_true",
+                        help="also time the free-slot path with the caches cold (1 min)")
     options = parser.parse_args()
     measure("a pool slot free", make_gate(), run, options)
     measure("the pool full (held, then passed on)", *held_runner(), options)
+    if options.cold:
+        measure_cold()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@ every task starts on the lease at once; with the pool full every task is held an
 starts on a permit passed on by an ending task. No services."""
 from __future__ import annotations
 
-from benchmarks.gate_cost import POOL, held_runner, make_gate, run
+import re
+
+import pytest
+
+from benchmarks.gate_cost import POOL, held_runner, make_gate, measure_cold, run
 
 
 def test_with_a_slot_free_every_task_starts_at_once_on_its_lease() -> None:
@@ -12,6 +16,12 @@ def test_with_a_slot_free_every_task_starts_at_once_on_its_lease() -> None:
     # One draw, then each ending task keeps its permit for the next arrival.
     assert dict(gate.state.admitted_from) == {"lease": 1, "grant": 0, "handoff": 199}
     assert gate.state.running == {} and gate.state.held == {}
+
+
+def test_the_cold_run_prints_both_calls(capsys: pytest.CaptureFixture[str]) -> None:
+    measure_cold(tasks=10, runs=1)
+    line = capsys.readouterr().out
+    assert re.search(r"caches cold: submit -?\d+\.\d us \+ release -?\d+\.\d us", line), line
 
 
 def test_with_the_pool_full_every_task_is_held_then_passed_on() -> None:
