@@ -111,6 +111,8 @@ class SemaphoreClient:
         self._queues: dict[str, dict[str | None, list[Order]]] = {}
         """key -> group -> queued items, oldest first."""
         self._admitted: dict[str, Permit] = {}
+        self._urgent: set[str] = set()
+        """Keys others wait on: their last reply was contended or blocked (waited_on)."""
         self._idle: dict[tuple[str, str | None], list[tuple[float, Permit]]] = {}
         """(key, group) -> permits whose item ended with nothing queued to pass them to,
         kept until a local time for the next item of that key and group (see pass_on)."""
@@ -587,6 +589,10 @@ class SemaphoreClient:
             return
         ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped,
                      superseded=superseded)
+        if ledger.urgent:
+            self._urgent.add(key)
+        else:
+            self._urgent.discard(key)
         if reply.contended:
             self._stop_idle_leases(key, ledger)
         # Only this key's copies changed; time's changes to the others are due()'s.
@@ -671,6 +677,10 @@ class SemaphoreClient:
         ledger = self._ledgers.get(key)
         return ledger is not None and (ledger.urgent or self._stopped)
 
+    def waited_on_any(self) -> bool:
+        """Others wait for this client's reports on some key (see waited_on)."""
+        return self._stopped or bool(self._urgent)
+
     def settled(self) -> bool:
         """Nothing left to report: leases settled, grants done, nothing queued."""
         self._sweep(self._clock())
@@ -718,6 +728,7 @@ class SemaphoreClient:
                 and now >= max(ledger.next_request_at, ledger.backoff_until)
                 and key not in self._queues):
             del self._ledgers[key]
+            self._urgent.discard(key)
             self._quiet.pop(key, None)
             return False
         return True

@@ -5,7 +5,8 @@
 # waiting); each admitted task ends exactly once (by item, idempotent), and its
 # permit is then released or passed on to the next held task of its key and
 # group (SemaphoreClient.pass_on); one lock serializes every SemaphoreClient
-# call, since pool threads release.
+# call. A task that ends in a pool thread is released by the event loop, before
+# its next admission or pump.
 from __future__ import annotations
 
 import itertools
@@ -13,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,10 +74,10 @@ class Hooks:
     `collect`: True when messages to the holder may be due now, False when the pump
     need only start requests whose permits are at hand."""
     in_loop: Callable[[], bool] = lambda: False
-    """True in the event-loop thread, where a release may hand its passed-on permit's
-    task to the pool at once (a prefork pool's results arrive there; a solo pool runs
-    its tasks there, and `handoff` defers them to `run_deferred`, so chains do not
-    nest); False in a pool thread, whose release leaves that to a pump."""
+    """True in the event-loop thread, where a release happens at once and may hand its
+    passed-on permit's task to the pool (a prefork pool's results arrive there; a solo
+    pool runs its tasks there, and `handoff` defers them to `run_deferred`, so chains do
+    not nest); False in a pool thread, whose release the loop makes (Gate.release)."""
     run_deferred: Callable[[], None] = lambda: None
     """Run what `handoff` deferred (a solo pool's tasks, which run inside the call):
     called by `submit` and `release` once the lock is released, and by the step after
@@ -139,6 +141,14 @@ class Gate:
         self.clock = clock
         self.state = GateState()
         self.lock = threading.RLock()
+        self._release_hook = self.release  # bound once: every admitted request carries it
+        self._ended: deque[str] = deque()
+        """Items whose tasks ended in a pool thread, for the event loop to release before
+        its next admission or pump (see release)."""
+        self._waited_on = False
+        """Others wait on some key of some semaphore (SemaphoreClient.waited_on_any): a
+        pool thread's release then wakes a collecting pump, since it may be news for the
+        holder. Updated with every reply, and by stop."""
         self._turn = 0
         # Correlation ids: unique per gate without a urandom call per message.
         self._correlation = itertools.count()
@@ -164,6 +174,8 @@ class Gate:
         item = item_id(request)
         with self.lock:
             state = self.state
+            if self._ended:
+                self._release_ended()  # their slots and permits may serve this request
             previous = state.held.pop(item, None)
             if previous is not None:
                 # Redelivered while held: keep the newer delivery (the broker's
@@ -180,8 +192,10 @@ class Gate:
                 return
             # Passed-on permits start first: their tasks were admitted earlier; then held
             # tasks that a pool slot freed since the last pump lets start.
-            self._start_passed()
-            self._admit()
+            if state.passed:
+                self._start_passed()
+            if state.held:
+                self._admit()
             client = self.clients[semaphore]
             free = self._free()
             if free > 0:
@@ -193,7 +207,10 @@ class Gate:
                 # task +0.09 ms instead of +0.2 ms; docs/benchmarks.md).
                 permit = client.admit_now(key, group, item)
                 if permit is not None:
-                    self._run(semaphore, request, permit)
+                    # Celery's strategy asked whether it was revoked a moment ago; a
+                    # revoke by stamp raises in execute_using_pool, whose hook then
+                    # releases the permit.
+                    self._run(semaphore, request, permit, revoked=False)
                     if client.waited_on(key):
                         self.hooks.wake(True)
                     return
@@ -214,7 +231,9 @@ class Gate:
             # Under load that is most arrivals (a no-op task benchmark held 8,594 of
             # 8,608), and this saved a pump each.
             collect = client.asks(key)
-            if not collect and free <= 0:
+            # A task that ended in a pool thread just now found nothing held, so it woke
+            # no pump (release): this one must, to start the request on its slot.
+            if not collect and free <= 0 and not self._ended:
                 return
         self.hooks.wake(collect)
 
@@ -277,6 +296,8 @@ class Gate:
         for the holder) also drop revoked and overdue held requests, and collect the
         messages due; sweeping every key for those is most of a pump's cost."""
         with self.lock:
+            if self._ended and self._release_ended():
+                collect = True  # a release others wait for: news for the holder
             if not collect:
                 self._start_passed()
                 self._admit()
@@ -371,49 +392,84 @@ class Gate:
             self.hooks.qos_decrement()
         return self._run(semaphore, entry.request, permit)
 
-    def _run(self, semaphore: str, request: Any, permit: Permit) -> int:
-        """Hand an admitted request to the pool; 0 if it was revoked meanwhile."""
-        if _revoked(request):
+    def _run(self, semaphore: str, request: Any, permit: Permit, *,
+             revoked: bool | None = None) -> int:
+        """Hand an admitted request to the pool; 0 if it was revoked meanwhile (`revoked`:
+        whether it is, if known; None asks)."""
+        if revoked or (revoked is None and _revoked(request)):
             # Never ran: its permit goes on to the next held task, as if it had ended.
             successor = self.clients[semaphore].pass_on(permit.item_id)
             return self._start(semaphore, successor) if successor else 0
         self.state.running[permit.item_id] = semaphore
         self.state.admitted_from["handoff" if permit.handed_off else permit.source] += 1
-        instrument(request, permit.item_id, self.release)
+        instrument(request, permit.item_id, self._release_hook)
         self.hooks.handoff(request)
         return 1
 
     # -- releases (any thread) ---------------------------------------------------
 
     def release(self, item: str) -> None:
-        """An admitted task ended; repeated calls for one item do nothing."""
+        """An admitted task ended; repeated calls for one item do nothing.
+
+        From a pool thread the item only joins `_ended`, and the event loop releases it
+        before its next admission or pump, in order. The loop is woken when the release
+        may start a held task, or may be news for the holder. Why: between a task's end
+        and the next admission the worker runs Celery's own work, which leaves the caches
+        cold, and there each line of the gate costs several times its warm figure. With
+        the release in the pool thread, `python -m benchmarks.gate_cost --cold` gave
+        submit 22.5 + release 11.7 us per task; released by the next submit, 24.6 + 2.1
+        (and pool threads no longer take the lock)."""
+        if not self.hooks.in_loop():
+            self._ended.append(item)
+            if self._waited_on or self.state.held:
+                self.hooks.wake(self._waited_on)
+            return
         with self.lock:
+            collect = self._release_ended() if self._ended else False
             semaphore = self.state.running.pop(item, None)
-            if semaphore is None:
-                return
-            self.state.released += 1
-            client = self.clients[semaphore]
-            permit = client.permit(item)
-            successor = client.pass_on(item)
-            if successor is not None and self.hooks.in_loop():
-                # On the event loop already (a prefork pool's results arrive there): the
-                # successor takes the freed slot now, with no pump in between; a pump
-                # is then needed only for another held request and another free slot.
-                self._start(semaphore, successor)
-                start = bool(self.state.held) and self._free() > 0
-            elif successor is not None:
-                # From a pool thread: started by the pump, on the event loop, like
-                # every admission.
-                self.state.passed.append((semaphore, successor))
-                start = True
-            else:
-                start = bool(self.state.held)  # the freed slot may start one
-            # A release is news for the holder only when others wait on it; otherwise
-            # it goes with the next report.
-            collect = permit is not None and client.waited_on(permit.key)
+            start = False
+            if semaphore is not None:
+                successor, news = self._release_one(item, semaphore)
+                collect = collect or news
+                if successor is not None:
+                    # On the event loop already (a prefork pool's results arrive there):
+                    # the successor takes the freed slot now, with no pump in between; a
+                    # pump is then needed only for another held request and another slot.
+                    self._start(semaphore, successor)
+                    start = bool(self.state.held) and self._free() > 0
+                else:
+                    start = bool(self.state.held)  # the freed slot may start one
+            start = start or bool(self.state.passed)
         if collect or start:
             self.hooks.wake(collect)
         self.hooks.run_deferred()
+
+    def _release_ended(self) -> bool:
+        """Release the items that ended in pool threads (lock held). Their permits' successors
+        join `passed`, for the caller (an admission, a pump) or a pump to start. True if
+        a release is news for the holder."""
+        news = False
+        ended = self._ended
+        while ended:
+            item = ended.popleft()
+            semaphore = self.state.running.pop(item, None)
+            if semaphore is None:
+                continue  # released already (the hooks of one ending may overlap)
+            successor, collect = self._release_one(item, semaphore)
+            if successor is not None:
+                self.state.passed.append((semaphore, successor))
+            news = news or collect
+        return news
+
+    def _release_one(self, item: str, semaphore: str) -> tuple[Permit | None, bool]:
+        """Pass the permit of an ended item on, or release it (lock held): the successor's
+        permit, if any, and whether this is news for the holder. A release is news only
+        when others wait on it; otherwise it goes with the next report."""
+        self.state.released += 1
+        client = self.clients[semaphore]
+        permit = client.permit(item)
+        successor = client.pass_on(item)
+        return successor, permit is not None and client.waited_on(permit.key)
 
     # -- the holder ------------------------------------------------------------
 
@@ -445,6 +501,7 @@ class Gate:
     def on_reply(self, correlation_id: str | None, body: object) -> bool:
         """A reply from a holder; False if it answers no message we still await."""
         with self.lock:
+            self.settle_ended()  # the reply then meets the client as it stands
             match = next((sk for sk, f in self.state.in_flight.items()
                           if correlation_id in (f.correlation_id, f.superseded)), None)
             if match is None:
@@ -461,6 +518,7 @@ class Gate:
                 client.on_response(key, body, superseded=superseded)
             else:
                 client.on_failure(key, superseded=superseded)
+            self._waited_on = any(c.waited_on_any() for c in self.clients.values())
         self.hooks.wake(True)
         return True
 
@@ -469,6 +527,7 @@ class Gate:
     def forget_held(self) -> int:
         """The consumer stopped: held messages go back to the broker with the channel."""
         with self.lock:
+            self.settle_ended()  # their successors join `passed`, given back below
             count = len(self.state.held)
             for item, entry in list(self.state.held.items()):
                 self.clients[entry.semaphore].cancel(item)
@@ -486,9 +545,18 @@ class Gate:
     def stop(self) -> None:
         """Warm shutdown: stop every lease so the final reports return undrawn permits."""
         with self.lock:
+            self.settle_ended()
             for client in self.clients.values():
                 client.stop()
+            self._waited_on = True  # the final reports: every release is news
 
     def settled(self) -> bool:
         with self.lock:
+            self.settle_ended()
             return not self.state.running and all(c.settled() for c in self.clients.values())
+
+    def settle_ended(self) -> None:
+        """Release what ended in pool threads now (lock held), for a caller about to read
+        `state` or the clients; a started successor or news for the holder wakes a pump."""
+        if self._ended and (self._release_ended() or self.state.passed):
+            self.hooks.wake(True)

@@ -18,6 +18,7 @@ def describe(gate: Gate) -> dict[str, Any]:
     """Rows of (semaphore, key, group) with held and running counts and why they wait."""
     now = gate.clock()
     with gate.lock:
+        gate.settle_ended()
         oldest: dict[tuple[str, str, str | None], float] = {}
         for entry in gate.state.held.values():
             where = (entry.semaphore, entry.key, entry.group)

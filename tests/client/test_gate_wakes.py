@@ -6,9 +6,11 @@
 # holder) is never left to the timer alone. Pure: fake hooks and requests.
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from durability_celery.worker.gate import Gate
+from durability_celery.worker.gate import Gate, item_id
 
 from .gate_fakes import FakeRequest, Loop
 from .helpers import SEM, FakeClock, lease, make_client, reply
@@ -47,11 +49,40 @@ def test_a_request_with_a_permit_at_hand_starts_in_submit_without_a_pump() -> No
 
 def test_a_release_with_nothing_waiting_asks_for_no_pump() -> None:
     gate, loop, first = leased_gate(pool=4)
-    first.on_success(None)  # the instrumented hook releases
-    assert gate.state.released == 1 and loop.take_wakes() == []
+    first.on_success(None)  # the instrumented hook releases, from a pool thread
+    # Left to the event loop's next admission: no pump, and nothing released yet.
+    assert loop.take_wakes() == [] and gate.state.released == 0
     third = FakeRequest()
-    gate.submit(third)  # the permit kept idle serves it
+    gate.submit(third)  # releases `first` first, then the permit kept idle serves it
+    assert gate.state.released == 1 and gate.state.running == {item_id(third): SEM}
     assert loop.started[-1] == third.id and gate.state.admitted_from["handoff"] == 1
+
+
+def test_a_pool_thread_release_is_made_by_the_next_pump_if_no_request_comes() -> None:
+    gate, _, first = leased_gate(pool=4)
+    first.on_success(None)
+    first.on_success(None)  # overlapping hooks of one ending: released once
+    assert gate.pump() == [] and gate.state.released == 1 and gate.state.running == {}
+    assert gate.clients[SEM].permit(item_id(first)) is None
+
+
+def test_a_request_held_while_a_pool_thread_releases_still_wakes_a_pump() -> None:
+    gate, loop, first = leased_gate(pool=1)
+
+    def busy_then_end() -> int:
+        # The pool thread's release lands while submit decides: after submit released
+        # what had ended, before it holds the request. It finds nothing held: no wake.
+        if not gate._ended and item_id(first) in gate.state.running:
+            first.on_success(None)
+        return 0
+
+    gate.hooks = dataclasses.replace(gate.hooks, busy=busy_then_end)
+    waiting = FakeRequest()
+    gate.submit(waiting)
+    assert len(gate.state.held) == 1  # the pool looked full
+    assert loop.take_wakes() == [False]  # the submit wakes the pump the release did not
+    gate.pump(collect=False)
+    assert loop.started == [first.id, waiting.id] and gate.state.admitted_from["handoff"] == 1
 
 
 def test_a_full_pool_holds_the_request_and_its_release_starts_it_on_a_light_pump() -> None:
