@@ -179,6 +179,27 @@ def test_unreported_releases_wait_for_next_request_at_unless_contended_or_blocke
         assert client.due() == [KEY]
 
 
+def test_waited_on_any_follows_each_keys_last_reply_and_stop() -> None:
+    # The gate's pool threads read it, without the lock, to tell whether a release
+    # is news for the holder: it must follow every key, not only the last one heard.
+    clock = FakeClock()
+    client = _client_with_lease(clock)
+    assert not client.waited_on_any()
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, contended=True, leases=[
+        lease("l1", permits=4, drawn=1, expires_at=clock.now + 100)]))
+    client.enqueue("acct-2", None, "u1", enqueued_at=2.0)
+    client.message("acct-2")
+    client.on_response("acct-2", reply(clock.now, key="acct-2"))  # quiet key: still waited on
+    assert client.waited_on(KEY) and not client.waited_on("acct-2") and client.waited_on_any()
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, expires_at=clock.now + 100)]))
+    assert not client.waited_on_any()
+    client.stop()
+    assert client.waited_on_any()
+
+
 def test_unreported_claims_go_out_before_the_claim_deadline() -> None:
     clock = FakeClock()
     client = make_client(clock, claim_margin=1.0)
