@@ -234,7 +234,7 @@ class SemaphoreClient:
         """A grant claim (claimed early, never near its deadline), else a permit kept idle
         since its item ended (it goes back to the holder if unused), else a lease draw:
         the lease keeps its undrawn permits for the items no idle permit covers."""
-        self._quiet.pop(key, None)  # _changed(key), on the path of every admitted item
+        self._changed(key)
         if ledger.grants:  # a key served by leases alone has none to claim from
             permit = self._claim(ledger, key, group, item_id, now)
             if permit is not None:
@@ -296,7 +296,7 @@ class SemaphoreClient:
         if permit is None:
             return None
         key = permit.key
-        self._quiet.pop(key, None)  # _changed(key), on the path of every ending item
+        self._changed(key)
         now = self._clock()
         groups = self._queues.get(key)
         queue = None if groups is None else groups.get(permit.group)
@@ -326,7 +326,7 @@ class SemaphoreClient:
             return None
         successor = queue[0][2]
         self.cancel(successor)
-        passed = Permit._make((successor, *permit[1:6], True))
+        passed = permit._replace(item_id=successor, handed_off=True)
         self._admitted[successor] = passed
         return passed
 

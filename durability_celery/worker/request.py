@@ -87,9 +87,7 @@ def _then_ended(on_success: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return on_success(self, *args, **kwargs)
         finally:
-            release = self._durability_release  # _durability_ended, inlined: every task
-            if release is not None:
-                release(self._durability_item)
+            self._durability_ended()
 
     return on_success_then_release
 
