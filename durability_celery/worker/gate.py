@@ -73,15 +73,11 @@ class Hooks:
     """Ask the event loop to run `pump` soon (callable from any thread). The argument is
     `collect`: True when messages to the holder may be due now, False when the pump
     need only start requests whose permits are at hand."""
-    in_loop: Callable[[], bool] = lambda: False
-    """True in the event-loop thread, where a release happens at once and may hand its
-    passed-on permit's task to the pool (a prefork pool's results arrive there; a solo
-    pool runs its tasks there, and `handoff` defers them to `run_deferred`, so chains do
-    not nest); False in a pool thread, whose release the loop makes (Gate.release)."""
-    run_deferred: Callable[[], None] = lambda: None
+    run_deferred: Callable[[], None] | None = None
     """Run what `handoff` deferred (a solo pool's tasks, which run inside the call):
     called by `submit` and `release` once the lock is released, and by the step after
-    each pump. Re-entered from a task it runs, it returns: the outer call goes on."""
+    each pump. Re-entered from a task it runs, it returns: the outer call goes on. None:
+    `handoff` defers nothing (every pool but solo), and there is nothing to call."""
 
 
 @dataclass
@@ -118,14 +114,17 @@ def _revoked(request: Any) -> bool:
                 and request.revoked())
 
 
-def item_id(request: Any) -> str:
+def item_id(request: Any, headers: Mapping[str, Any] | None = None) -> str:
     """The client-queue item of one delivery: the task id plus its retry count.
 
     A retry is a new message with the same task id that may arrive before the
     attempt that sent it has released; it must queue for its own permit, while
-    a redelivery of the same attempt must not.
+    a redelivery of the same attempt must not. `headers`: the request's
+    `request_dict`, if the caller has it (a property that builds nothing, but a call).
     """
-    return f"{request.id}#{request.request_dict.get('retries') or 0}"
+    if headers is None:
+        headers = request.request_dict
+    return f"{request.id}#{headers.get('retries') or 0}"
 
 
 class Gate:
@@ -140,6 +139,12 @@ class Gate:
         self.hold_deadline = hold_deadline
         self.clock = clock
         self.state = GateState()
+        self.loop_thread: int | None = None
+        """The event loop's thread, where a release happens at once and may hand its
+        passed-on permit's task to the pool (a prefork pool's results arrive there; a
+        solo pool runs its tasks there, and `handoff` defers them to `run_deferred`, so
+        chains do not nest). A release in any other thread (a pool thread) is made by the
+        loop (see release). Set by the step when the loop starts; None: no such thread."""
         self.lock = threading.RLock()
         self._release_hook = self.release  # bound once: every admitted request carries it
         self._ended: deque[str] = deque()
@@ -148,7 +153,9 @@ class Gate:
         self._waited_on = False
         """Others wait on some key of some semaphore (SemaphoreClient.waited_on_any): a
         pool thread's release then wakes a collecting pump, since it may be news for the
-        holder. Updated with every reply, and by stop."""
+        holder. Updated with every reply (only a reply makes a key waited on), and by stop.
+        While it is False no key is waited on, and the per-task paths skip asking the
+        client about their own key."""
         self._turn = 0
         # Correlation ids: unique per gate without a urandom call per message.
         self._correlation = itertools.count()
@@ -163,15 +170,15 @@ class Gate:
         # A solo pool's task runs here, still inside the message's own callback, as
         # Celery runs it: Celery defers its ack to the loop's next turn, which then
         # comes before the loop waits for the broker again.
-        self.hooks.run_deferred()
+        if self.hooks.run_deferred is not None:
+            self.hooks.run_deferred()
 
     def _submit(self, request: Any) -> None:
         try:
-            semaphore, key, group, enqueued_at = self._admission_of(request)
+            item, semaphore, key, group, enqueued_at = self._admission_of(request)
         except DurabilityError as exc:
             self._refuse(request, exc)
             return
-        item = item_id(request)
         with self.lock:
             state = self.state
             if self._ended:
@@ -211,7 +218,8 @@ class Gate:
                     # revoke by stamp raises in execute_using_pool, whose hook then
                     # releases the permit.
                     self._run(semaphore, request, permit, revoked=False)
-                    if client.waited_on(key):
+                    # _waited_on first: no key is waited on unless it is (see on_reply).
+                    if self._waited_on and client.waited_on(key):
                         self.hooks.wake(True)
                     return
             client.enqueue(key, group, item, enqueued_at=enqueued_at)
@@ -253,7 +261,8 @@ class Gate:
     def _busy_limit(self) -> int:
         return (self.max_held + 1) // 2
 
-    def _admission_of(self, request: Any) -> tuple[str, str, str | None, float]:
+    def _admission_of(self, request: Any) -> tuple[str, str, str, str | None, float]:
+        """The request's item (item_id), semaphore, key, group and enqueued-at time."""
         headers = request.request_dict
         semaphore = headers.get(HEADER_SEMAPHORE)
         key = headers.get(HEADER_KEY)
@@ -276,7 +285,7 @@ class Gate:
             raise DurabilityError(f"group header of task {request.id} is not a str")
         if not isinstance(enqueued_at, int | float) or isinstance(enqueued_at, bool):
             enqueued_at = self.clock()
-        return semaphore, key, group, float(enqueued_at)
+        return item_id(request, headers), semaphore, key, group, float(enqueued_at)
 
     def _refuse(self, request: Any, exc: Exception) -> None:
         """A request that can never be admitted: fail it loudly instead of running it ungated."""
@@ -419,7 +428,7 @@ class Gate:
         the release in the pool thread, `python -m benchmarks.gate_cost --cold` gave
         submit 22.5 + release 11.7 us per task; released by the next submit, 24.6 + 2.1
         (and pool threads no longer take the lock)."""
-        if not self.hooks.in_loop():
+        if threading.get_ident() != self.loop_thread:
             self._ended.append(item)
             if self._waited_on or self.state.held:
                 self.hooks.wake(self._waited_on)
@@ -442,7 +451,8 @@ class Gate:
             start = start or bool(self.state.passed)
         if collect or start:
             self.hooks.wake(collect)
-        self.hooks.run_deferred()
+        if self.hooks.run_deferred is not None:
+            self.hooks.run_deferred()
 
     def _release_ended(self) -> bool:
         """Release the items that ended in pool threads (lock held). Their permits' successors
@@ -467,6 +477,8 @@ class Gate:
         when others wait on it; otherwise it goes with the next report."""
         self.state.released += 1
         client = self.clients[semaphore]
+        if not self._waited_on:  # then no key is (see on_reply): only the permit to pass on
+            return client.pass_on(item), False
         permit = client.permit(item)
         successor = client.pass_on(item)
         return successor, permit is not None and client.waited_on(permit.key)

@@ -106,6 +106,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self.reply_queue = reply_queue_declaration(
             reply_queue(settings.queue_prefix, safe_queue_part(self.client_id)),
             expires=settings.reply_expires)
+        self._deferred: deque[Any] = deque()
+        """Admitted requests of a solo pool, to run once the gate's call is done."""
         self.hooks = self._hooks(c)
         # Both are final in get_consumers, once the pool and the broker are known.
         self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or HELD_PER_SLOT,
@@ -121,10 +123,6 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self._wake_pending = False
         self._collect_wanted = False
         self._running = False
-        self._loop = 0
-        """The event loop's thread (where start runs), once started."""
-        self._deferred: deque[Any] = deque()
-        """Admitted requests of a solo pool, to run once the gate's call is done."""
         self._running_deferred = False
         self._parked = False
         """A chain out of budget waits for the loop's next turn (_resume_later)."""
@@ -149,31 +147,28 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             supersede_after=config.round_wait / 2, supersede_demand=config.leases is None)
 
     def _hooks(self, c: Any) -> Hooks:
-        real_on_task_request = self._real_handoff = c.on_task_request
-
-        def handoff(request: Any) -> None:
-            # solo runs the task inline, inside this call: it waits for run_deferred, so
-            # that the gate's lock is released and a pump's messages are published
-            # first (a claim must reach the holder before its deadline, however long
-            # the task). Deferred through the loop's call_soon instead, the task ran
-            # on the loop's next turn and Celery's ack of it on the turn after, past
-            # the loop's wait for the broker: with a prefetch of 1 each task waited
-            # for the 50 ms pump timer (22 no-op tasks/s against plain Celery's 920).
-            if isinstance(c.pool, SoloPool):
-                self._deferred.append(request)
-            else:
-                real_on_task_request(request)
+        self._real_handoff = c.on_task_request
+        # solo runs the task inline, inside the handoff: it waits for run_deferred, so
+        # that the gate's lock is released and a pump's messages are published first (a
+        # claim must reach the holder before its deadline, however long the task).
+        # Deferred through the loop's call_soon instead, the task ran on the loop's next
+        # turn and Celery's ack of it on the turn after, past the loop's wait for the
+        # broker: with a prefetch of 1 each task waited for the 50 ms pump timer (22
+        # no-op tasks/s against plain Celery's 920). Other pools get Celery's own
+        # on_task_request, with nothing in between: it runs for every admitted task.
+        # (The consumer has its pool before its steps are made.)
+        solo = isinstance(c.pool, SoloPool)
 
         def pool_size() -> int:
             # As _fit_pool last read it (every collecting pump): asked for every
             # admission, and reading the pool goes through two properties.
             return self._pool_size or self._read_pool_size()
 
-        return Hooks(handoff=handoff, pool_size=pool_size, busy=unadmitted_active,
+        return Hooks(handoff=self._deferred.append if solo else self._real_handoff,
+                     pool_size=pool_size, busy=unadmitted_active,
                      qos_increment=lambda: c.qos.increment_eventually(),
                      qos_decrement=lambda: c.qos.decrement_eventually(),
-                     wake=self._wake, in_loop=lambda: threading.get_ident() == self._loop,
-                     run_deferred=self.run_deferred)
+                     wake=self._wake, run_deferred=self.run_deferred if solo else None)
 
     def run_deferred(self) -> None:
         """Run a solo pool's admitted requests, oldest first. A task's end may defer the
@@ -234,7 +229,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         super().start(c)
-        self._loop = threading.get_ident()
+        self.gate.loop_thread = threading.get_ident()
         self._running = True
         self._timers = [c.timer.call_repeatedly(PUMP_INTERVAL, self.pump),
                         c.timer.call_repeatedly(SUMMARY_INTERVAL, log_summary, (self.gate,))]

@@ -54,8 +54,6 @@ class Loop:
         self.started: list[str] = []
         self.wakes: list[bool] = []
         self.qos = 0
-        self.in_loop = False
-        """Whether releases come from the event-loop thread (prefork) or a pool thread."""
 
     def hooks(self) -> Hooks:
         def raise_qos() -> None:
@@ -67,8 +65,7 @@ class Loop:
         return Hooks(handoff=lambda request: self.started.append(request.id),
                      pool_size=lambda: self.pool, busy=lambda: self.busy,
                      qos_increment=raise_qos, qos_decrement=lower_qos,
-                     wake=lambda collect: self.wakes.append(collect),
-                     in_loop=lambda: self.in_loop)
+                     wake=lambda collect: self.wakes.append(collect))
 
     def take_wakes(self) -> list[bool]:
         wakes, self.wakes = self.wakes, []

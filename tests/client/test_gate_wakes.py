@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -103,7 +104,7 @@ def test_a_full_pool_holds_the_request_and_its_release_starts_it_on_a_light_pump
 
 def test_a_release_on_the_event_loop_starts_its_successor_without_a_pump() -> None:
     gate, loop, first = leased_gate(pool=1)
-    loop.in_loop = True  # a prefork pool's results arrive on the event loop
+    gate.loop_thread = threading.get_ident()  # a prefork pool's results arrive here
     waiting, other = FakeRequest(), FakeRequest(key="acct-2")
     gate.submit(waiting)
     gate.submit(other)  # no permit for acct-2 yet: asks the holder
@@ -117,7 +118,7 @@ def test_a_release_on_the_event_loop_starts_its_successor_without_a_pump() -> No
 
 def test_an_event_loop_release_whose_successor_was_the_last_held_wakes_nothing() -> None:
     gate, loop, first = leased_gate(pool=2)
-    loop.in_loop = True
+    gate.loop_thread = threading.get_ident()
     loop.busy = 1  # a task the gate did not admit takes the other slot
     waiting = FakeRequest()
     gate.submit(waiting)  # the lease covers it, the pool is full: held

@@ -44,7 +44,7 @@ def drain(cluster_factory: Callable[..., Cluster], pool: str,
 
 
 # solo runs a task in the event loop's thread, so its end hands the permit's next
-# task to the pool from there (Hooks.in_loop), after the task that ended
+# task to the pool from there (Gate.loop_thread), after the task that ended
 # (GateStep.run_deferred).
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
 def test_finished_tasks_pass_their_permit_on_and_the_limit_holds(
