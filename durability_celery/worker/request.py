@@ -4,7 +4,6 @@
 # repeated calls harmless, so hooks may overlap freely.
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -12,9 +11,6 @@ from typing import Any
 from celery.worker.request import Request
 
 Release = Callable[[str], object]
-
-# Celery's own: a failed ack is logged where Celery logs its own.
-celery_logger = logging.getLogger("celery.worker.request")
 
 
 class AdmittedRequest(Request):  # type: ignore[misc]
@@ -24,7 +20,6 @@ class AdmittedRequest(Request):  # type: ignore[misc]
     # None for a request that was never admitted (nothing to release).
     _durability_release: Release | None = None
     _durability_item = ""
-    acknowledged: bool  # Celery's
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery's strategy builds a subclass per task (create_request_cls) whose own
@@ -54,26 +49,6 @@ class AdmittedRequest(Request):  # type: ignore[misc]
         finally:
             if not soft:  # a soft limit only raises inside the task, which goes on
                 self._durability_ended()
-
-    # Celery defers an ack or reject to the event loop's next turn (call_soon_ack),
-    # and the gate starts admitted tasks from timers and deferred calls too (a solo
-    # pool's above all), so one can still be pending when a lost broker connection
-    # makes Celery tear the task channel down. kombu then raises AttributeError from
-    # the detached channel ('NoneType' object has no attribute 'client'), and only
-    # connection errors were caught: the worker died with "Unrecoverable error" in 2
-    # of 16 solo broker-restart runs. Caught here, it is logged as Celery logs a failed
-    # ack; the message is in the broker's unacked index and comes again.
-    def acknowledge(self) -> None:
-        if not self.acknowledged:
-            self._on_ack(celery_logger, (*self._connection_errors, AttributeError))
-            self.acknowledged = True
-
-    def reject(self, requeue: bool = False) -> None:
-        if not self.acknowledged:
-            self._on_reject(celery_logger, (*self._connection_errors, AttributeError),
-                            requeue)
-            self.acknowledged = True
-            self.send_event("task-rejected", requeue=requeue)
 
     def _durability_ended(self) -> None:
         release = self._durability_release

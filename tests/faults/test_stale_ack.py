@@ -21,6 +21,7 @@ from kombu import Consumer
 from vine import promise
 
 from durability_celery.worker.request import AdmittedRequest
+from durability_celery.worker.strategy import GatedConsumer
 from durability_celery.worker.teardown import restore_unacked_before_teardown
 from tests.faults.services import PrivateRedis
 
@@ -33,11 +34,13 @@ def app(private_redis: PrivateRedis) -> Celery:
     return Celery("stale_ack", broker=private_redis.url(), set_as_current=False)
 
 
-def ack_after_teardown(app: Celery, private_redis: PrivateRedis,
-                       request_base: type) -> Callable[[], None]:
+def ack_after_teardown(app: Celery, private_redis: PrivateRedis, request_base: type, *,
+                       gated: bool) -> Callable[[], None]:
     """Deliver one task message, acknowledge it as Celery does (the ack deferred),
     lose the broker and tear the connection down as Celery does, restart the
-    broker; returns the deferred ack, to be run as the loop's next turn would."""
+    broker; returns the deferred ack, to be run as the loop's next turn would.
+    `gated`: the request gets the connection errors the admitted strategy gives
+    Celery's (GatedConsumer), else the connection's own, as plain Celery's."""
 
     @app.task(shared=False)
     def job() -> None: ...
@@ -49,6 +52,11 @@ def ack_after_teardown(app: Celery, private_redis: PrivateRedis,
     consumer = Consumer(channel, queues=[app.amqp.queues["celery"]],
                         callbacks=[lambda body, message: delivered.append(message)])
     consumer.consume()
+    connection_errors = connection.connection_errors
+    if gated:
+        celery_consumer = SimpleNamespace(connection_errors=connection_errors)
+        connection_errors = GatedConsumer(celery_consumer,
+                                          SimpleNamespace(submit=None)).connection_errors
     connection.drain_events(timeout=5)
     [message] = delivered
     pending: list[Callable[[], None]] = []
@@ -57,7 +65,7 @@ def ack_after_teardown(app: Celery, private_redis: PrivateRedis,
                      (message.ack_log_error,))
     request = request_base(message, on_ack=on_ack, on_reject=on_ack, app=app,
                           hostname="stale@test", eventer=None, task=job,
-                          connection_errors=connection.connection_errors,
+                          connection_errors=connection_errors,
                           body=message.body, headers=message.headers, decoded=False,
                           utc=True)
     request.acknowledge()
@@ -72,7 +80,7 @@ def ack_after_teardown(app: Celery, private_redis: PrivateRedis,
 
 def test_a_stale_ack_of_an_admitted_request_is_logged_not_raised(
         app: Celery, private_redis: PrivateRedis, caplog: pytest.LogCaptureFixture) -> None:
-    ack = ack_after_teardown(app, private_redis, AdmittedRequest)
+    ack = ack_after_teardown(app, private_redis, AdmittedRequest, gated=True)
     with caplog.at_level(logging.CRITICAL, logger="celery.worker.request"):
         ack()
     assert "Couldn't ack" in caplog.text
@@ -84,6 +92,6 @@ def test_a_stale_ack_of_an_admitted_request_is_logged_not_raised(
 def test_a_stale_ack_of_a_plain_celery_request_raises(
         app: Celery, private_redis: PrivateRedis) -> None:
     # What killed the worker, and what the test above guards against.
-    ack = ack_after_teardown(app, private_redis, Request)
+    ack = ack_after_teardown(app, private_redis, Request, gated=False)
     with pytest.raises(AttributeError):
         ack()
