@@ -477,9 +477,9 @@ class Gate:
         when others wait on it; otherwise it goes with the next report."""
         self.state.released += 1
         client = self.clients[semaphore]
-        if not self._waited_on:  # then no key is (see on_reply): only the permit to pass on
-            return client.pass_on(item), False
-        permit = client.permit(item)
+        # Its key is asked about only while some key is waited on (see on_reply); read
+        # before pass_on, which forgets the item.
+        permit = client.permit(item) if self._waited_on else None
         successor = client.pass_on(item)
         return successor, permit is not None and client.waited_on(permit.key)
 
