@@ -226,7 +226,8 @@ class SemaphoreClient:
         ledger = self._ledgers[key]
         held = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
                    if g.group == group)
-        held += sum(le.drawable(now) for le in ledger.leases.values() if le.group == group)
+        held += sum(le.drawable(now, self.claim_margin) for le in ledger.leases.values()
+                    if le.group == group)
         return held + len(self._idle.get((key, group), ()))
 
     def _take(self, ledger: KeyLedger, key: str, group: str | None, item_id: str,
@@ -272,7 +273,7 @@ class SemaphoreClient:
     def _draw(self, ledger: KeyLedger, key: str, group: str | None, item_id: str,
               now: float) -> Permit | None:
         leases = [le for le in ledger.leases.values()
-                  if le.group == group and le.drawable(now)]
+                  if le.group == group and le.drawable(now, self.claim_margin)]
         if not leases:
             return None
         lease = min(leases, key=lambda le: le.expires_at)
@@ -355,7 +356,8 @@ class SemaphoreClient:
             # just finish. A lease we stopped ourselves (others wait and nothing was
             # queued here) gave back its undrawn permits; drawn ones go on like grants.
             lease = ledger.leases.get(permit.source_id)
-            return lease is not None and not lease.retired and now < lease.expires_at
+            return (lease is not None and not lease.retired
+                    and now < lease.usable_until(self.claim_margin))
         return permit.source_id in ledger.grants
 
     def _claimable(self, permit: Permit, now: float) -> bool:
@@ -444,7 +446,10 @@ class SemaphoreClient:
         if at is not None:
             times.append(at)
         times += [g.claim_deadline - self.claim_margin for g in ledger.grants.values()]
-        times += [le.expires_at for le in ledger.leases.values()]
+        times += [t for le in ledger.leases.values()
+                  for t in (le.expires_at, le.usable_until(self.claim_margin))]
+        times += [g.late_deadline - self.claim_margin for g in ledger.grants.values()
+                  if g.late_deadline is not None]
         times += [at for _, at in self._idle_leases_of(key, ledger)]
         return min((t for t in times if t >= now), default=math.inf)
 

@@ -49,6 +49,9 @@ class GrantCopy:
     late_acked: tuple[int, int] = (0, 0)
     """(drawn, released) of the late lease (see late_report) the holder acknowledged."""
     late_settled: bool = False
+    late_deadline: float | None = None
+    """Local time the holder drops the late lease it adopted unless a later report of it
+    arrives (see LeaseCopy.acknowledged); None once one did."""
 
     def claimable(self, now: float, margin: float) -> int:
         if self.expired or self.claim_deadline - margin <= now:
@@ -114,9 +117,17 @@ class LeaseCopy:
     acked_released: int = 0
     last_used: float = 0.0
     """Local time of its adoption or of its last draw or release (see lease_idle)."""
+    acknowledged: bool = True
+    """The holder says a report of ours reached it since it issued the lease. Until
+    then it drops the lease at `expires_at`, so, as with a grant's claims, draws
+    stop a claim margin before that and are reported by then."""
 
-    def drawable(self, now: float) -> int:
-        if self.stopped or now >= self.expires_at:
+    def usable_until(self, margin: float) -> float:
+        """Local time after which no permit of it is drawn or passed on."""
+        return self.expires_at if self.acknowledged else self.expires_at - margin
+
+    def drawable(self, now: float, margin: float) -> int:
+        if self.stopped or now >= self.usable_until(margin):
             return 0
         return max(0, self.permits - self.drawn)
 
@@ -302,22 +313,36 @@ class KeyLedger:
 
     def _apply_lease(self, view: LeaseView, round_at: float, anchor: float, now: float, *,
                      latest: bool, acked_stop: bool, draw: bool) -> None:
-        if view.lease_id in self.tombstones:
-            return
-        if view.lease_id.startswith(LATE_PREFIX):
-            self._apply_late(view)
+        late = view.lease_id.startswith(LATE_PREFIX)
+        if late and view.lease_id.removeprefix(LATE_PREFIX) in self.grants:
+            self._apply_late(view, round_at, anchor, latest=latest)
             return
         copy = self.leases.get(view.lease_id)
         if view.status == "settled":
             if copy is not None:
                 self.forget_lease(copy, now)
             return
+        forgotten = copy is None and (late or view.lease_id in self.tombstones)
+        if forgotten and not latest:
+            return  # an old round's view of what has settled since
         remaining = max(0.0, view.expires_at - round_at) if view.expires_at is not None else 0.0
-        if copy is None:
+        if forgotten:
+            # Something we forgot, counted again now: a copy of an old report (a delayed
+            # duplicate) reached the holder after it settled the lease, and it adopted
+            # what that report said was in use. Nothing of ours runs on it, so it is
+            # reported released and stopped until settled again; it is never drawn
+            # from (a late claim's grant is gone, or the id is dead).
+            copy = LeaseCopy(view.lease_id, view.group, view.drawn, expires_at=now,
+                             heartbeat_at=now, ttl=remaining, drawn=view.drawn,
+                             released=view.drawn, stopped=True, retired=True, last_used=now,
+                             acknowledged=view.acknowledged)
+            self.leases[view.lease_id] = copy
+        elif copy is None:
             # As for grants: nothing of ours runs on a lease we did not know.
             copy = LeaseCopy(view.lease_id, view.group, view.permits,
                              expires_at=anchor + remaining, heartbeat_at=anchor + remaining / 2,
-                             ttl=remaining, drawn=view.drawn, released=view.drawn, last_used=now)
+                             ttl=remaining, drawn=view.drawn, released=view.drawn, last_used=now,
+                             acknowledged=view.acknowledged)
             self.leases[view.lease_id] = copy
             if not draw:
                 copy.stop()
@@ -325,6 +350,13 @@ class KeyLedger:
             copy.expires_at = anchor + remaining
             copy.heartbeat_at = anchor + remaining / 2
             copy.ttl = max(copy.ttl, remaining)
+            copy.acknowledged = view.acknowledged
+        if view.drawn > copy.drawn:
+            # The holder counts draws this copy never made: a stale copy of a report from
+            # before we forgot and re-adopted the id. Nothing of ours runs on them.
+            extra = view.drawn - copy.drawn
+            copy.drawn += extra
+            copy.released += extra
         if acked_stop:
             copy.stop_acked = True
         copy.acked_drawn = max(copy.acked_drawn, view.drawn)
@@ -336,10 +368,13 @@ class KeyLedger:
             copy.retired = copy.retired or not copy.stopped
             copy.stop()  # draw no more; confirm what we drew until the holder settles it
 
-    def _apply_late(self, view: LeaseView) -> None:
-        grant = self.grants.get(view.lease_id.removeprefix(LATE_PREFIX))
-        if grant is None:
-            return
+    def _apply_late(self, view: LeaseView, round_at: float, anchor: float, *,
+                    latest: bool) -> None:
+        grant = self.grants[view.lease_id.removeprefix(LATE_PREFIX)]
+        if latest:
+            grant.late_deadline = (
+                None if view.acknowledged or view.expires_at is None
+                else anchor + max(0.0, view.expires_at - round_at))
         drawn, released = grant.late_acked
         grant.late_acked = (max(drawn, view.drawn), max(released, view.released))
         report = grant.late_report()
@@ -406,6 +441,10 @@ class KeyLedger:
                 times.append(max(self.backoff_until, min(gate, g.claim_deadline - margin)))
             if g.group in queued_groups and g.claimable(now, margin):
                 times.append(max(gate, g.claim_deadline - margin))  # demand rises then
+            late = g.late_report()
+            if g.late_deadline is not None and late is not None and late.drawn > late.released:
+                # The holder adopted the late claims; it keeps them only if it hears again.
+                times.append(max(self.backoff_until, min(gate, g.late_deadline - margin)))
         for le in self.leases.values():
             if le.stopped and not le.stop_acked:
                 times.append(self.backoff_until)  # undrawn permits go back at once
@@ -415,6 +454,10 @@ class KeyLedger:
                 times.append(gate)  # confirmed and idle, but not yet settled: ask again
             if not le.stopped and le.in_use:
                 times.append(max(gate, le.heartbeat_at))
+            if not le.acknowledged and le.in_use:
+                # Unacknowledged, the holder drops it at expires_at: our draws must be
+                # heard before then, as a grant's claims before its deadline.
+                times.append(max(self.backoff_until, min(gate, le.expires_at - margin)))
             if not le.stopped:
                 times.append(le.expires_at)  # sweep() stops it then: see there
         return min(times) if times else None

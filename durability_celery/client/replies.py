@@ -43,6 +43,9 @@ class LeaseView:
     expires_at: float | None
     """None for a lease the holder never knew."""
     status: LeaseReplyStatus
+    acknowledged: bool = True
+    """False until a report of ours reached the holder after it issued (or adopted) the
+    lease; it is dropped at `expires_at` unless one does (absent from older holders)."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,14 @@ def _lease(raw: Mapping[str, Any], where: str) -> LeaseView:
         expires_at=_optional_time(raw.get("expires_at"), f"{where}expires_at"),
         status=_status(_get(raw, "status", where), f"{where}status",
                        ("active", "retired", "settled")),
+        acknowledged=_flag(raw.get("acknowledged", True), f"{where}acknowledged"),
     )
+
+
+def _flag(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidMessage(field, "must be a boolean")
+    return value
 
 
 def _blocked(raw: Mapping[str, Any], where: str) -> Blocked:
@@ -166,12 +176,8 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
                              f"not {semaphore!r}")
     if raw.get("key", key) != key:
         raise InvalidMessage("key", f"reply is for key {raw.get('key')!r}, not {key!r}")
-    contended = raw.get("contended", False)
-    if not isinstance(contended, bool):
-        raise InvalidMessage("contended", "must be a boolean")
-    over_limit = raw.get("over_limit", False)  # absent from older holders: False
-    if not isinstance(over_limit, bool):
-        raise InvalidMessage("over_limit", "must be a boolean")
+    contended = _flag(raw.get("contended", False), "contended")
+    over_limit = _flag(raw.get("over_limit", False), "over_limit")  # older holders: absent
     round_at = _time(_get(raw, "round_at", ""), "round_at")
     return Reply(
         round_at=round_at,

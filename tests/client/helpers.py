@@ -37,9 +37,10 @@ def grant(grant_id: str, *, group: str | None = None, permits: int = 1, claimed:
 
 def lease(lease_id: str, *, group: str | None = None, permits: int = 4, drawn: int = 0,
           released: int = 0, expires_at: float | None = None,
-          status: str = "active") -> dict[str, Any]:
+          status: str = "active", acknowledged: bool = True) -> dict[str, Any]:
     return {"lease_id": lease_id, "group": group, "permits": permits, "drawn": drawn,
-            "released": released, "expires_at": expires_at, "status": status}
+            "released": released, "expires_at": expires_at, "status": status,
+            "acknowledged": acknowledged}
 
 
 def reply(round_at: float, *, key: str = KEY, grants: list[dict[str, Any]] | None = None,

@@ -115,6 +115,11 @@ def test_a_malformed_reply_is_a_failure_and_changes_nothing() -> None:
     assert (client.last_error(KEY) or "").startswith("malformed_reply")
     client.on_response(KEY, reply(clock.now, key="another-key"))
     assert client.admit() == []
+    bad_flag = reply(clock.now, leases=[lease("l1", expires_at=clock.now + 10)])
+    bad_flag["leases"][0]["acknowledged"] = "yes"
+    client.on_response(KEY, bad_flag)
+    assert client.admit() == []
+    assert "leases[0].acknowledged" in (client.last_error(KEY) or "")
 
 
 def test_heartbeat_at_half_the_lease_lifetime_while_permits_are_in_use() -> None:
@@ -321,6 +326,32 @@ def test_claims_that_reached_the_holder_too_late_are_reported_as_a_late_lease() 
     assert client.settled()
 
 
+def test_late_claims_the_holder_adopted_are_reported_again_before_it_drops_them() -> None:
+    # An adopted lease counts past the grant timeout only if its client reports it in
+    # a later round (a stale duplicate would otherwise keep one counted for good).
+    clock = FakeClock()
+    client = make_client(clock, claim_margin=2.0)
+    client.enqueue(KEY, None, "t0", enqueued_at=0.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claim_deadline=clock.now + 10)]))
+    assert len(client.admit()) == 1
+    client.on_failure(KEY)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[grant("g1", status="not_found")]))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 60, leases=[
+        lease("late:g1", permits=1, drawn=1, status="retired", expires_at=clock.now + 10,
+              acknowledged=False)]))
+    assert client.next_due_at() == clock.now + 8  # its deadline less the claim margin
+    clock.advance(8)
+    assert client.due() == [KEY]
+    assert lease_reports(client.message(KEY)) == {"late:g1": (1, 0, True)}
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 60, leases=[
+        lease("late:g1", permits=1, drawn=1, status="retired", expires_at=clock.now)]))
+    assert client.next_due_at() is None  # heard: nothing more is due
+
+
 def test_a_grant_partly_counted_reports_only_the_uncounted_claims_late() -> None:
     clock = FakeClock()
     client = make_client(clock)
@@ -356,6 +387,68 @@ def test_unknown_grants_and_leases_in_a_reply_are_adopted() -> None:
     message = client.message(KEY)
     assert grant_reports(message) == {"g-lost": (1, 0)}
     assert lease_reports(message) == {"l-lost": (2, 0, False)}
+
+
+def test_an_unacknowledged_lease_is_drawn_from_like_a_grant_is_claimed() -> None:
+    # The holder drops a lease its client has not reported at the grant timeout
+    # (expires_at): draws stop a claim margin before that and are reported by then.
+    clock = FakeClock()
+    client = make_client(clock, claim_margin=2.0)
+    for i in range(3):
+        client.enqueue(KEY, None, f"t{i}", enqueued_at=float(i))
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 30, leases=[
+        lease("l1", permits=2, expires_at=clock.now + 10, acknowledged=False)]))
+    assert [p.item_id for p in client.admit(limit=1)] == ["t0"]
+    assert client.next_due_at() == clock.now + 8  # the draw is heard before the deadline
+    clock.advance(8)
+    assert client.admit() == []  # within the margin: no more draws
+    assert client.due() == [KEY]
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 0, False)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=2, drawn=1, expires_at=clock.now + 1800)]))
+    assert [p.item_id for p in client.admit()] == ["t1"]  # acknowledged: drawn until ttl
+
+
+def test_a_lease_the_holder_counts_again_after_we_forgot_it_is_reported_released() -> None:
+    # A delayed duplicate of an old report reached the holder after the lease settled,
+    # and it adopted the draws that report had in use: we run nothing on them.
+    clock = FakeClock()
+    client = _client_with_lease(clock, permits=1)
+    client.release("t0")
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=1, drawn=1, released=1, status="settled")]))
+    assert client.settled()
+    clock.advance(1)
+    client.enqueue(KEY, None, "t1", enqueued_at=clock.now)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=1, drawn=1, status="retired", expires_at=clock.now + 10,
+              acknowledged=False)]))
+    assert client.admit() == []  # never drawn from again
+    assert client.due() == [KEY]
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 1, True)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=1, drawn=1, released=1, status="settled")]))
+    assert lease_reports(client.message(KEY)) == {}
+
+
+def test_draws_the_holder_counts_beyond_ours_are_reported_released() -> None:
+    clock = FakeClock()
+    client = _client_with_lease(clock, permits=4)  # t0 runs on one draw
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=3, released=0, expires_at=clock.now + 100)]))
+    # Two draws we never made (an older copy of the id): released, and not drawable.
+    assert lease_reports(client.message(KEY)) == {"l1": (3, 2, False)}
+    assert client.running() == {KEY: {None: 1}}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=3, released=2, expires_at=clock.now + 100)]))
+    client.enqueue(KEY, None, "t1", enqueued_at=clock.now)
+    assert [p.item_id for p in client.admit()] == ["t1"]
+    client.enqueue(KEY, None, "t2", enqueued_at=clock.now)
+    assert client.admit() == []  # 4 permits, 4 drawn
 
 
 def test_late_replies_never_resurrect_what_was_forgotten_or_stopped() -> None:
