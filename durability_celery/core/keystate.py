@@ -52,13 +52,19 @@ class KeyState:
     blocked: tuple[Blocked, ...] = ()
     clients: tuple[ClientSeen, ...] = ()
     """Clients that hold something here, with when they were last heard from."""
+    lease_deadline: float | None = None
+    """When the earliest unacknowledged lease is dropped; set by each round and alarm
+    (it needs the grant timeout), not stored: None in a state read from the database."""
 
     @property
     def next_claim_deadline(self) -> float | None:
-        """When the earliest unclaimed grant permits become reclaimable (the spec's alarm)."""
+        """When time alone next changes this key (the spec's alarm): the earliest
+        unclaimed grant permits become reclaimable, or an unacknowledged lease is dropped."""
         deadlines = [
             g.claim_deadline for g in self.grants if g.status == "active" and g.unclaimed > 0
         ]
+        if self.lease_deadline is not None:
+            deadlines.append(self.lease_deadline)
         return min(deadlines, default=None)
 
 

@@ -1,7 +1,8 @@
 # One round's working copy of a key's grants and leases, and the moves a round
 # makes on them before allocation: ownership checks, cumulative reports,
-# reclaim of unclaimed grant permits, retirement of unreported leases and
-# settlement. Every status change goes through core/state.py.
+# reclaim of unclaimed grant permits, retirement of unreported leases, the
+# drop of leases their client never acknowledged, and settlement. Every
+# status change goes through core/state.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,13 +53,17 @@ class Ledger:
                 self._adopt_unknown(request.client_id, lease_report, now)
 
     def _adopt_unknown(self, client_id: str, report: LeaseReport, now: float) -> None:
-        """A lease this holder never knew (lost with a reply, or a client's record of claims
-        that reached us too late to count) is charged from now on, as a retired lease
-        whose final draws the client confirmed, until everything drawn is released."""
+        """A lease this holder never knew (dropped unacknowledged while its client drew,
+        or a client's record of claims that reached us too late to count) is charged
+        from now on, as a retired lease whose final draws the client confirmed, until
+        everything drawn is released. Only a report in a later round acknowledges it:
+        a stale copy of an old report, arriving after the lease settled, would make
+        one its client no longer knows, and that one is dropped like any other."""
         if report.drawn > report.released:
             self.leases[report.lease_id] = Lease(
                 report.lease_id, client_id, None, report.drawn, report.drawn, report.released,
                 issued_at=now, last_report_at=now, status="retired", confirmed=True,
+                acknowledged=False,
             )
 
     def reclaim(self, now: float) -> None:
@@ -75,6 +80,18 @@ class Ledger:
         for lease_id, lease in list(self.leases.items()):
             if lease.status == "active" and now - lease.last_report_at >= ttl:
                 self.leases[lease_id] = lease.retire()
+
+    def drop_unacknowledged(self, timeout: float, now: float) -> None:
+        """Drop leases their client never reported within `timeout` of their issue.
+
+        Nothing of its client runs on such a lease as far as the holder can know:
+        clients draw from an unacknowledged lease only until their claim margin
+        before this deadline, and report draws before it. A report that comes
+        later anyway finds the id unknown and is charged again (see apply)."""
+        for lease_id, lease in list(self.leases.items()):
+            deadline = lease.acknowledge_by(timeout)
+            if deadline is not None and deadline <= now:
+                del self.leases[lease_id]
 
     def retire(self, lease_id: str) -> None:
         self.leases[lease_id] = self.leases[lease_id].retire()

@@ -22,11 +22,13 @@ def grant_view(grant: Grant) -> dict[str, Any]:
     }
 
 
-def lease_view(lease: Lease, ttl: float, *, settled: bool = False) -> dict[str, Any]:
+def lease_view(lease: Lease, ttl: float | None, ack_timeout: float, *,
+               settled: bool = False) -> dict[str, Any]:
     return {
         "lease_id": lease.lease_id, "group": lease.group, "permits": lease.permits,
         "drawn": lease.drawn, "released": lease.released,
-        "expires_at": lease.expires_at(ttl),
+        "expires_at": lease.expires_at(ttl, ack_timeout),
+        "acknowledged": lease.acknowledged,
         "status": "settled" if settled else lease.status,
     }
 
@@ -35,16 +37,17 @@ class ClientIndex:
     """The round's outcome grouped by client once, so answering n clients costs O(n)."""
 
     def __init__(self, state: KeyState, ledger: Ledger, allocation: Allocation,
-                 ttl: float) -> None:
+                 ttl: float | None, ack_timeout: float) -> None:
         self.grants: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.leases: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.blocked: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for grant in state.grants:
             self.grants[grant.client_id].append(grant_view(grant))
         for lease in state.leases:
-            self.leases[lease.client_id].append(lease_view(lease, ttl))
+            self.leases[lease.client_id].append(lease_view(lease, ttl, ack_timeout))
         for lease in ledger.settled.values():
-            self.leases[lease.client_id].append(lease_view(lease, ttl, settled=True))
+            self.leases[lease.client_id].append(
+                lease_view(lease, ttl, ack_timeout, settled=True))
         for (client, group), (count, reason) in allocation.unmet.items():
             self.blocked[client].append({"group": group, "reason": reason, "queued": count})
 

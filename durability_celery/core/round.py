@@ -1,6 +1,7 @@
 # One allocation round for one key, in the order DESIGN.md fixes: validate
 # messages; apply reports; reclaim expired unclaimed grant permits; retire
-# leases unreported for ttl; resolve limits (retiring leases they no longer
+# leases unreported for ttl; drop leases never acknowledged within the grant
+# timeout; resolve limits (retiring leases they no longer
 # allow); allocate grants to the oldest items first, then leases; answer every
 # message. Pure: the caller persists `state` before anyone sees `responses`.
 from __future__ import annotations
@@ -86,20 +87,25 @@ def _prepare(ledger: Ledger, config: RoundConfig, now: float) -> None:
     ledger.reclaim(now)
     if config.leases is not None:
         ledger.retire_stale(config.leases.ttl, now)
+    # Leases only a report made (adopted) exist without config.leases too.
+    ledger.drop_unacknowledged(config.grant_timeout, now)
     ledger.settle()
 
 
 def reclaim(state: KeyState, *, config: RoundConfig, now: float) -> KeyState:
-    """The alarm: reclaim expired unclaimed grants and retire stale leases, with no messages."""
+    """The alarm: reclaim expired unclaimed grants, retire stale leases and drop
+    unacknowledged ones, with no messages."""
     ledger = Ledger.of(state.grants, state.leases)
     _prepare(ledger, config, now)
-    return mark_seen(_with(state, ledger), set(), now)
+    return mark_seen(_with(state, ledger, config), set(), now)
 
 
-def _with(state: KeyState, ledger: Ledger, **changes: Any) -> KeyState:
+def _with(state: KeyState, ledger: Ledger, config: RoundConfig, **changes: Any) -> KeyState:
+    leases = tuple(ledger.leases.values())
+    deadlines = [at for le in leases if (at := le.acknowledge_by(config.grant_timeout))]
     return replace(
-        state, grants=tuple(ledger.grants.values()), leases=tuple(ledger.leases.values()),
-        **changes,
+        state, grants=tuple(ledger.grants.values()), leases=leases,
+        lease_deadline=min(deadlines, default=None), **changes,
     )
 
 
@@ -165,14 +171,15 @@ def run_round(
     for lease in allocation.leases:
         ledger.leases[lease.lease_id] = lease
     new_state = _with(
-        state, ledger, last_round_at=now, rounds=state.rounds + 1,
+        state, ledger, config, last_round_at=now, rounds=state.rounds + 1,
         limit=resolved.limit if resolved.limit is not None else state.limit,
         blocked=_blocked(allocation),
     )
     heard = {r.client_id for r in checked if isinstance(r, Request)}
     new_state = mark_seen(new_state, heard, now)
     index = ClientIndex(new_state, ledger, allocation,
-                        config.leases.ttl if config.leases is not None else 0.0)
+                        config.leases.ttl if config.leases is not None else None,
+                        config.grant_timeout)
     over = _over_limit(ledger, resolved, config)
     responses = tuple(
         error_response(request) if isinstance(request, InvalidMessage)

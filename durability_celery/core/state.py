@@ -97,6 +97,17 @@ class Lease:
     """The key's limit when issued; a lower limit later retires the lease."""
     issued_group_limit: int | None = None
     """The group's limit when issued (None: the group had none); lowering it retires the lease."""
+    acknowledged: bool = True
+    """Its client reported it in a round after the one that issued (or adopted) it.
+    Until then nothing says the client knows of it: the reply that carried it may be
+    lost, or answer a stale copy of a message whose reply the client no longer
+    awaits. An unacknowledged lease is dropped at its deadline (`acknowledge_by`,
+    Ledger.drop_unacknowledged), as unclaimed grant permits are reclaimed. Rounds
+    issue and adopt leases unacknowledged; the default is for leases made elsewhere."""
+
+    def acknowledge_by(self, timeout: float) -> float | None:
+        """When it is dropped if still unacknowledged; None once acknowledged."""
+        return None if self.acknowledged else self.issued_at + timeout
 
     @property
     def footprint(self) -> int:
@@ -138,11 +149,19 @@ class Lease:
             status=status,
             confirmed=self.confirmed or stopped,
             last_report_at=max(self.last_report_at, now),
+            acknowledged=True,
         )
 
     def retire(self) -> Lease:
         """Stop drawing; stay counted in full until the client confirms."""
         return replace(self, status=self._move("retire"))
 
-    def expires_at(self, ttl: float) -> float:
-        return self.last_report_at + ttl
+    def expires_at(self, ttl: float | None, ack_timeout: float) -> float:
+        """When the holder may retire it (unreported for `ttl`) or, unacknowledged,
+        drop it (`ack_timeout` after its issue), whichever comes first. `ttl` None:
+        the semaphore issues no leases, and ttl retires none of those it adopts."""
+        deadline = self.acknowledge_by(ack_timeout)
+        if ttl is None:
+            return self.last_report_at if deadline is None else deadline
+        at = self.last_report_at + ttl
+        return at if deadline is None else min(at, deadline)

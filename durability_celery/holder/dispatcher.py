@@ -265,13 +265,18 @@ class Dispatcher(threading.Thread):
 
 
 def _claim_deadlines(responses: Iterable[dict[str, Any]]) -> Iterable[float]:
-    """Claim deadlines of the grants with unclaimed permits named in these responses."""
+    """Claim deadlines of the grants with unclaimed permits named in these responses,
+    and the expiry of each unacknowledged lease (dropped then, see Lease.acknowledged)."""
     for response in responses:
         for grant in response.get("grants") or ():
             if (grant.get("status") == "active"
                     and grant.get("claimed", 0) < grant.get("permits", 0)
                     and isinstance(grant.get("claim_deadline"), int | float)):
                 yield float(grant["claim_deadline"])
+        for lease in response.get("leases") or ():
+            if (lease.get("acknowledged") is False
+                    and isinstance(lease.get("expires_at"), int | float)):
+                yield float(lease["expires_at"])
 
 
 def _round_at(responses: list[dict[str, Any]] | None) -> float | None:

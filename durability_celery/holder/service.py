@@ -9,6 +9,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from sqlalchemy.exc import SQLAlchemyError
+
+from .. import store
 from ..routing import shard_for
 from .consumer import HolderConsumer
 from .dispatcher import Dispatcher
@@ -40,6 +43,7 @@ class Holder:
             scan_interval=settings.reclaim_interval,
             clock=clock,
         )
+        self._semaphores = durability.semaphores
         self.consumer = HolderConsumer(
             app=durability.app,
             queue_names=durability.holder_queues(self.shards),
@@ -50,8 +54,24 @@ class Holder:
 
     def start(self) -> None:
         logger.info("durability holder: starting for shards %s", _ranges(self.shards))
+        self._check_schemas()
         self.dispatcher.start()
         self.consumer.start()
+
+    def _check_schemas(self) -> None:
+        """Refuse to serve a database an older library version laid out (every round
+        would fail); one that cannot be reached now is retried by the rounds."""
+        engines = {id(s.engine): (name, s.engine) for name, s in self._semaphores.items()}
+        for name, engine in engines.values():
+            try:
+                found = store.check_version(engine)
+            except SQLAlchemyError as exc:  # the database is down: rounds retry and log it
+                logger.warning("durability holder: cannot check the schema of %r: %r",
+                               name, exc)
+                continue
+            if found is None:
+                logger.warning("durability holder: no schema in the database of %r; run "
+                               "`durability-celery migrate`", name)
 
     def stop(self, *, timeout: float = 15.0) -> None:
         """Stop consuming first, then let running rounds answer (bounded by `timeout`)."""

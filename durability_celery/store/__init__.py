@@ -1,12 +1,22 @@
 # The SQL store: tables, migrations and one locked transaction per round.
 # Rule: it holds no allocation policy; the pure core decides, the store persists.
 from .engine import create_engine, prepare_engine, transaction
-from .schema import SCHEMA_VERSION, clients, grants, keys, leases, metadata, migrate
+from .schema import (
+    SCHEMA_VERSION,
+    check_version,
+    clients,
+    grants,
+    keys,
+    leases,
+    metadata,
+    migrate,
+)
 from .sql import all_keys, deadlines, load, read, save, silent_clients
 
 __all__ = [
     # schema
     "SCHEMA_VERSION",
+    "check_version",
     "clients",
     "grants",
     "keys",

@@ -19,13 +19,14 @@ from sqlalchemy import (
     insert,
     select,
     text,
+    true,
     update,
 )
 from sqlalchemy.engine import Connection
 
 from ..errors import ConfigurationError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The version `migrate(engine)` brings a database to."""
 
 NAME_LENGTH = 200
@@ -69,6 +70,7 @@ leases = Table(
     Column("confirmed", Boolean, nullable=False),
     Column("issued_limit", Integer, nullable=False),
     Column("issued_group_limit", Integer, nullable=True),
+    Column("acknowledged", Boolean, nullable=False, server_default=true()),
     Index("ix_durability_semaphore_leases_client", "client_id"),
 )
 
@@ -108,7 +110,12 @@ schema_version = Table(
 )
 
 # Upgrade steps: UPGRADES[n] takes a database from version n to n + 1.
-UPGRADES: dict[int, str] = {}
+UPGRADES: dict[int, str] = {
+    # 2: leases record whether their client has reported them since issue; leases of
+    # version 1 count as acknowledged, as that version treated every lease.
+    1: "ALTER TABLE durability_semaphore_leases"
+       " ADD COLUMN acknowledged BOOLEAN NOT NULL DEFAULT TRUE",
+}
 
 
 def _lock_for_ddl(conn: Connection) -> None:
@@ -139,6 +146,19 @@ def _upgrade(conn: Connection, found: int | None) -> None:
         conn.execute(insert(schema_version).values(id=1, version=SCHEMA_VERSION))
     elif found != SCHEMA_VERSION:
         conn.execute(update(schema_version).where(schema_version.c.id == 1).values(version=version))
+
+
+def check_version(engine: Engine) -> int | None:
+    """The database's schema version (None: no schema yet); an older one than this
+    library's raises ConfigurationError, since rounds would fail on every message."""
+    with engine.connect() as conn:
+        found = _current_version(conn)
+    if found is not None and found < SCHEMA_VERSION:
+        raise ConfigurationError(
+            f"database schema version {found} is older than this library's "
+            f"{SCHEMA_VERSION}; run `durability-celery migrate` (or sem.migrate()) first"
+        )
+    return found
 
 
 def migrate(engine: Engine, target: int | None = SCHEMA_VERSION) -> None:

@@ -32,6 +32,9 @@ class Held:
     deadline: float = 0.0
     status: str = "active"
     stopped: bool = False
+    acknowledged: bool = True
+    """A lease the holder says its client has reported since issue (else `deadline`
+    is when it is dropped)."""
 
 
 @dataclass
@@ -72,7 +75,9 @@ class SemaphoreModel(RuleBasedStateMachine):
         assert "error" not in reply, reply
         state = self.sem.state()
         new_grants = {g.grant_id for g in state.grants} - grants_before
-        new_leases = {le.lease_id for le in state.leases} - leases_before
+        # Issued ones: a report of a lease the holder does not know adopts it retired,
+        # charged as reported, whatever the limit (see Ledger.apply).
+        new_leases = {le.lease_id for le in state.leases if le.status == "active"} - leases_before
         if new_grants or new_leases:
             self.check_issue_fits(grant_issued=bool(new_grants))
         self.sent.append(message)
@@ -87,8 +92,13 @@ class SemaphoreModel(RuleBasedStateMachine):
             if g["status"] == "not_found" and held.used == held.released:
                 del client.grants[g["grant_id"]]
         for le in reply["leases"]:
-            held = client.leases.setdefault(le["lease_id"], Held(le["permits"]))
+            # As the real client does: nothing of ours runs on a lease we did not know
+            # (a lost reply, or a stale report the holder adopted after we forgot it).
+            held = client.leases.setdefault(
+                le["lease_id"], Held(le["permits"], used=le["drawn"], released=le["drawn"]))
             held.status = le["status"]
+            held.acknowledged = le.get("acknowledged", True)
+            held.deadline = le["expires_at"] or 0.0
             if le["status"] != "active":
                 held.stopped = True  # a retired lease draws no more
             if le["status"] == "settled":
@@ -142,10 +152,17 @@ class SemaphoreModel(RuleBasedStateMachine):
 
     @rule(client=st.sampled_from(CLIENTS), data=st.data())
     def draw(self, client: str, data: st.DataObject) -> None:
+        """Draws from a lease not yet acknowledged, like claims, stay clear of the
+        deadline and reach the holder before it (the holder drops it then)."""
         choices = [h for h in self.clients[client].leases.values()
-                   if not h.stopped and h.used < h.permits]
+                   if not h.stopped and h.used < h.permits
+                   and (h.acknowledged or self.now < h.deadline - CLAIM_MARGIN)]
         if choices:
-            data.draw(st.sampled_from(choices)).used += 1
+            held = data.draw(st.sampled_from(choices))
+            held.used += 1
+            if not held.acknowledged:
+                self.deliver(sync(client, **self.clients[client].report()), client,
+                             lost_reply=True)
 
     @rule(client=st.sampled_from(CLIENTS), data=st.data())
     def release(self, client: str, data: st.DataObject) -> None:

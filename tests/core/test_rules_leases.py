@@ -1,6 +1,7 @@
 # The lease rules of the spec on every backend: provisioning modes, equal
 # shares, eligibility, contention, stopping and settlement, ttl retirement,
-# unknown leases, and retirement when limits or eligibility are lowered.
+# unknown and unacknowledged leases, and retirement when limits or eligibility
+# are lowered.
 from __future__ import annotations
 
 from typing import Any
@@ -149,8 +150,13 @@ def test_report_for_unknown_lease_is_retired_and_charged_until_settled(
         request("b", [(None, 4, 1.0)]),
     ], now=T0)
     assert stray["leases"][0]["status"] == "retired"
+    assert stray["leases"][0]["acknowledged"] is False
     assert granted(other) == 1
-    # Still counted in later rounds that do not carry its report.
+    # Its client reports it again (it runs work on it): acknowledged, it is still
+    # counted in later rounds that do not carry its report.
+    (again,) = sem.run_round(KEY, [sync("a", leases=[("never-issued", 3, 0, False)])],
+                             now=T0 + 5)
+    assert again["leases"][0]["acknowledged"] is True
     (later,) = sem.run_round(KEY, [request("c", [(None, 4, 1.0)])], now=T0 + 20)
     assert granted(later) == 1 and sem.usage(KEY, now=T0 + 20).lease_footprint == 3
     (part,) = sem.run_round(KEY, [sync("a", leases=[("never-issued", 3, 2, True)])], now=T0 + 21)
@@ -162,6 +168,48 @@ def test_report_for_unknown_lease_is_retired_and_charged_until_settled(
     # A report of a lease the holder never knew with nothing in use charges nothing.
     (idle,) = sem.run_round(KEY, [sync("a", leases=[("other", 2, 2, True)])], now=T0 + 23)
     assert idle["leases"][0]["status"] == "settled"
+
+
+def test_a_lease_its_client_never_reports_is_dropped_at_the_grant_timeout(
+    make_semaphore: Any,
+) -> None:
+    # The reply that carried it may be lost, or answer a stale copy of a message:
+    # nothing says its client knows of it, so it counts only as long as an
+    # unclaimed grant would (grant_timeout 10 s here), not until ttl and beyond.
+    sem = make_semaphore(Limits(10), leases=Leases(Strict(), permits_per_lease=4, ttl=60.0))
+    (reply,) = sem.run_round(KEY, [ask("a", 4)], now=T0)
+    (view,) = reply["leases"]
+    assert (view["acknowledged"], view["expires_at"]) == (False, T0 + 10)
+    assert sem.reclaim(KEY, now=T0 + 9.9) == T0 + 10  # the holder's alarm waits for it
+    assert sem.usage(KEY, now=T0 + 9.9).lease_footprint == 4
+    assert sem.reclaim(KEY, now=T0 + 10) is None
+    assert sem.usage(KEY, now=T0 + 10).leases == 0
+    # Reported once, a lease is acknowledged and lives until ttl as the spec says.
+    (r1,) = sem.run_round(KEY, [ask("b", 4)], now=T0 + 20)
+    (lid,) = lease_ids(r1)
+    (r2,) = sem.run_round(KEY, [sync("b", leases=[(lid, 0, 0, False)])], now=T0 + 21)
+    assert (r2["leases"][0]["acknowledged"], r2["leases"][0]["expires_at"]) == (True, T0 + 81)
+    assert sem.reclaim(KEY, now=T0 + 80) is None
+    assert sem.usage(KEY, now=T0 + 80).lease_footprint == 4
+
+
+def test_draws_reported_after_an_unacknowledged_lease_was_dropped_are_charged(
+    make_semaphore: Any,
+) -> None:
+    sem = make_semaphore(Limits(10), leases=Leases(Strict(), permits_per_lease=4))
+    (reply,) = sem.run_round(KEY, [ask("a", 4)], now=T0)
+    (lid,) = lease_ids(reply)
+    sem.reclaim(KEY, now=T0 + 10)
+    (late,) = sem.run_round(KEY, [sync("a", leases=[(lid, 2, 0, True)])], now=T0 + 11)
+    assert [(le["status"], le["acknowledged"]) for le in late["leases"]] == [("retired", False)]
+    assert sem.usage(KEY, now=T0 + 11).lease_footprint == 2
+    # A stale copy of that report, after the lease settled, adopts it again; its client
+    # no longer knows it and never reports it again, so it is dropped once more.
+    sem.run_round(KEY, [sync("a", leases=[(lid, 2, 2, True)])], now=T0 + 12)
+    sem.run_round(KEY, [sync("a", leases=[(lid, 2, 0, True)])], now=T0 + 13)
+    assert sem.usage(KEY, now=T0 + 13).lease_footprint == 2
+    assert sem.reclaim(KEY, now=T0 + 23) is None
+    assert sem.usage(KEY, now=T0 + 23).lease_footprint == 0
 
 
 def test_lowering_the_limit_retires_leases(make_semaphore: Any) -> None:

@@ -25,8 +25,12 @@ def semaphore(url: str) -> DurabilitySemaphore:
 
 
 def hold(sem: DurabilitySemaphore, client: str, now: float) -> dict[str, Any]:
+    """A grant and a lease for `client`, whose lease it reports at once as a real client
+    does (a lease never reported is dropped at the grant timeout)."""
     (reply,) = sem.run_round(KEY, [request(client, [(None, 2, 1.0)], supports_leases=True)],
                              now=now)
+    leases = [(le["lease_id"], 0, 0, False) for le in reply["leases"]]
+    sem.run_round(KEY, [sync(client, leases=leases)], now=now + 0.5)
     return reply
 
 

@@ -65,6 +65,59 @@ def test_instance_and_class_forms(database_url: str) -> None:
         sem.close()
 
 
+def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: str) -> None:
+    # Version 1 had no `acknowledged` column and never dropped a lease: its leases
+    # come through as acknowledged, so the upgrade drops none of them.
+    engine = store.create_engine(database_url)
+    try:
+        store.migrate(engine, None)
+        store.migrate(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE durability_semaphore_leases"
+                                 " DROP COLUMN acknowledged"))
+            conn.execute(sa.update(store.schema.schema_version).values(version=1))
+            conn.execute(sa.text(
+                "INSERT INTO durability_semaphore_leases (semaphore, key, lease_id, client_id,"
+                ' "group", permits, drawn, released, issued_at, last_report_at, status,'
+                " confirmed, issued_limit, issued_group_limit) VALUES ('s', 'k', 'l-1', 'c',"
+                " NULL, 4, 1, 0, 1.0, 1.0, 'active', false, 10, NULL)"))
+        store.migrate(engine)
+        with engine.begin() as conn:
+            version = conn.execute(sa.select(store.schema.schema_version.c.version)).scalar()
+            (lease,) = store.load(conn, "s", "k").leases
+        assert version == store.SCHEMA_VERSION == 2
+        assert (lease.lease_id, lease.drawn, lease.acknowledged) == ("l-1", 1, True)
+    finally:
+        store.migrate(engine, None)
+        engine.dispose()
+
+
+def test_a_holder_refuses_a_database_of_an_older_schema(database_url: str) -> None:
+    # Every round would fail on the missing column: the worker says so at start.
+    from celery import Celery
+
+    from durability_celery.app import Durability
+    from durability_celery.holder.service import Holder
+
+    engine = store.create_engine(database_url)
+    sem = DurabilitySemaphore("schema-check", database=engine, limit=1)
+    try:
+        store.migrate(engine)
+        assert store.check_version(engine) == store.SCHEMA_VERSION
+        with engine.begin() as conn:
+            conn.execute(sa.update(store.schema.schema_version).values(version=1))
+        with pytest.raises(ConfigurationError, match="older than this library's 2; run"):
+            store.check_version(engine)
+        holder = Holder(Durability(Celery("schema-check", broker="memory://"), [sem]))
+        with pytest.raises(ConfigurationError, match="durability-celery migrate"):
+            holder.start()
+        store.migrate(engine, None)
+        assert store.check_version(engine) is None
+    finally:
+        sem.close()
+        engine.dispose()
+
+
 def test_newer_schema_and_bad_target_are_refused(database_url: str) -> None:
     engine = store.create_engine(database_url)
     try:
