@@ -157,6 +157,8 @@ SHARED_SEMAPHORES: dict[str, dict[str, Any]] = {
     "period": {"limit": 5, "round_wait": 0.05, "round_period": 0.6},
     "told": {"limit": 5, "round_wait": 1.0, "round_period": 0.6},
     "alarm": {"limit": 3, "round_wait": 0.05, "round_period": 0.1, "grant_timeout": 1.5},
+    "alarm-leases": {"limit": 3, "round_wait": 0.05, "round_period": 0.1,
+                     "grant_timeout": 1.5, "per_lease": 2},
 }
 
 

@@ -1,7 +1,7 @@
 # The dispatcher thread with a stand-in semaphore and publisher (no broker, no
 # database): replies only after run_round returned, one job per key at a time,
 # a slow key does not stall the others, failures answer `unavailable`, and
-# claim deadlines from responses arm the alarm.
+# claim deadlines and unacknowledged leases in responses arm the alarm.
 from __future__ import annotations
 
 import threading
@@ -31,6 +31,9 @@ class FakeSemaphore:
         self.gates: dict[str, threading.Event] = {}
         self.fail: set[str] = set()
         self.deadline_after = 0.3
+        self.answer = "grant"
+        """What each reply carries: "grant" (unclaimed, with a claim deadline),
+        "lease" (unacknowledged, dropped at expires_at) or "acked-lease"."""
         self.active: set[str] = set()
         self.overlap = False
         self.lock = threading.Lock()
@@ -46,9 +49,13 @@ class FakeSemaphore:
             if key in self.fail:
                 raise InfrastructureError("database is down")
             deadline = time.time() + self.deadline_after
-            return [{"v": 1, "n": m["n"], "grants": [
-                {"status": "active", "permits": 1, "claimed": 0, "claim_deadline": deadline}]}
-                for m in messages]
+            if self.answer == "grant":
+                return [{"v": 1, "n": m["n"], "grants": [
+                    {"status": "active", "permits": 1, "claimed": 0,
+                     "claim_deadline": deadline}]} for m in messages]
+            lease = {"status": "active", "permits": 2, "drawn": 0, "expires_at": deadline,
+                     "acknowledged": self.answer == "acked-lease"}
+            return [{"v": 1, "n": m["n"], "grants": [], "leases": [lease]} for m in messages]
         finally:
             with self.lock:
                 self.active.discard(key)
@@ -137,3 +144,21 @@ def test_claim_deadlines_in_responses_arm_the_reclaim_alarm(rig: Any) -> None:
     sent_at = time.monotonic()
     wait_for(lambda: ("reclaim", "k", 0) in sem.calls, timeout=3)
     assert time.monotonic() - sent_at >= 0.2  # at the deadline (0.3 s), not at once
+
+
+@pytest.mark.parametrize(("answer", "alarm"), [("lease", True), ("acked-lease", False)])
+def test_an_unacknowledged_lease_arms_the_alarm_for_its_drop(rig: Any, answer: str,
+                                                             alarm: bool) -> None:
+    # Dropped at expires_at unless its client reports it; an acknowledged lease's
+    # expires_at is its ttl, which the holder does not wake for.
+    sem, pub, dispatcher = rig
+    sem.answer = answer
+    send(dispatcher, "k", 1)
+    wait_for(lambda: len(pub.sent) == 1)
+    sent_at = time.monotonic()
+    if alarm:
+        wait_for(lambda: ("reclaim", "k", 0) in sem.calls, timeout=3)
+        assert time.monotonic() - sent_at >= 0.2
+    else:
+        time.sleep(1.0)
+        assert ("reclaim", "k", 0) not in sem.calls

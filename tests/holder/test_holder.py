@@ -176,3 +176,33 @@ def test_the_deadline_timer_reclaims_with_no_traffic(shared_rig: HolderRig) -> N
     elapsed = time.time() - granted_at
     assert 1.4 <= elapsed <= 4.0, elapsed
     assert sem.state(key).rounds == 1  # no round ran: the holder's alarm reclaimed
+
+
+def test_the_deadline_timer_drops_a_lease_its_client_never_reported(
+    shared_rig: HolderRig,
+) -> None:
+    # The reply that issued the lease reached no one who will report it (here: the
+    # client goes silent): the holder's own timer drops it at the grant timeout,
+    # with no round and no beat, and persisted, on both backends. (Strict leases
+    # come after grants, so the round also granted; both end at the same instant.
+    # test_dispatcher.py checks that a lease alone arms the timer.)
+    rig = shared_rig
+    client = rig.client("alarm-leases", timeout=5.0)
+    key = f"acct-{uuid.uuid4().hex[:6]}"
+    for n in range(2):
+        client.client.enqueue(key, None, f"item-{n}", enqueued_at=time.time())
+    reply = client.request(key)
+    issued_at = time.time()
+    leases = [(le["permits"], le["acknowledged"]) for le in reply["leases"]]
+    grants = [g["permits"] for g in reply["grants"]]
+    assert leases and all(not acked for _, acked in leases), reply
+    client._disconnect()
+    sem = rig.semaphore("alarm-leases")
+    usage = sem.usage(key)
+    assert (usage.lease_footprint, usage.outstanding) == (
+        sum(p for p, _ in leases), sum(grants))
+    assert wait_until(lambda: sem.usage(key).in_use == 0, timeout=6.0), sem.state(key)
+    elapsed = time.time() - issued_at
+    assert 1.4 <= elapsed <= 4.0, elapsed
+    assert sem.state(key).rounds == 1  # no round ran: the holder's timer dropped it
+    assert sem.state(key).leases == ()
