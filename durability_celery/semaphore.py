@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 from . import store
 from .core.clients import Forgotten, forget_client
 from .core.config import Leases, RoundConfig, validate_limit_value, validate_seconds
-from .core.round import KeyState, reclaim, run_round
+from .core.round import KeyState, reclaim, run_round, with_lease_deadline
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
 
@@ -243,13 +243,14 @@ class DurabilitySemaphore:
         return usage(self.state(key), config=self._config, limits=self._limits, now=at)
 
     def due_deadlines(self, *, now: float | None = None) -> list[tuple[str, float]]:
-        """(key, claim deadline) of keys whose earliest claim deadline is at or before `now`."""
+        """(key, deadline) of keys whose next deadline (see `deadlines`) is at or before `now`."""
         at = self._now(now)
         with store.transaction(self._engine, write=False) as conn:
             return store.deadlines(conn, self.name, due_by=at)
 
     def deadlines(self) -> list[tuple[str, float]]:
-        """(key, next claim deadline) of every key with unclaimed grant permits, earliest first."""
+        """(key, next deadline) of every key with unclaimed grant permits or unacknowledged
+        leases (when time alone changes it: see KeyState.next_claim_deadline), earliest first."""
         with store.transaction(self._engine, write=False) as conn:
             return store.deadlines(conn, self.name)
 
@@ -287,5 +288,5 @@ class DurabilitySemaphore:
             if old is None or client_id not in seen or seen[client_id] >= at - silent_for:
                 return None
             new, forgotten = forget_client(old, client_id)
-            store.save(conn, old, new, now=at)
+            store.save(conn, old, with_lease_deadline(new, self._config), now=at)
         return forgotten

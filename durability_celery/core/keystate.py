@@ -54,7 +54,8 @@ class KeyState:
     """Clients that hold something here, with when they were last heard from."""
     lease_deadline: float | None = None
     """When the earliest unacknowledged lease is dropped; set by each round and alarm
-    (it needs the grant timeout), not stored: None in a state read from the database."""
+    and when a client is forgotten (it needs the grant timeout: see
+    round.with_lease_deadline), not stored: None in a state read from the database."""
 
     @property
     def next_claim_deadline(self) -> float | None:

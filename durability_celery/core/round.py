@@ -21,7 +21,8 @@ from .messages import Request, error_response, parse_request
 from .responses import ClientIndex, respond
 from .state import Lease
 
-__all__ = ["Blocked", "KeyState", "LimitSource", "RoundResult", "reclaim", "run_round"]
+__all__ = ["Blocked", "KeyState", "LimitSource", "RoundResult", "reclaim", "run_round",
+           "with_lease_deadline"]
 
 
 @dataclass(frozen=True)
@@ -101,12 +102,17 @@ def reclaim(state: KeyState, *, config: RoundConfig, now: float) -> KeyState:
 
 
 def _with(state: KeyState, ledger: Ledger, config: RoundConfig, **changes: Any) -> KeyState:
-    leases = tuple(ledger.leases.values())
-    deadlines = [at for le in leases if (at := le.acknowledge_by(config.grant_timeout))]
-    return replace(
-        state, grants=tuple(ledger.grants.values()), leases=leases,
-        lease_deadline=min(deadlines, default=None), **changes,
-    )
+    return with_lease_deadline(replace(
+        state, grants=tuple(ledger.grants.values()), leases=tuple(ledger.leases.values()),
+        **changes,
+    ), config)
+
+
+def with_lease_deadline(state: KeyState, config: RoundConfig) -> KeyState:
+    """`state` with its `lease_deadline` computed: whatever changes a state's leases
+    outside a round or alarm (forgetting a client) calls this before it is saved."""
+    deadlines = [at for le in state.leases if (at := le.acknowledge_by(config.grant_timeout))]
+    return replace(state, lease_deadline=min(deadlines, default=None))
 
 
 def _blocked(allocation: Allocation) -> tuple[Blocked, ...]:

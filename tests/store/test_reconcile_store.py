@@ -63,6 +63,26 @@ def test_forgetting_a_gone_client_frees_its_footprint_only(database_url: str) ->
     assert sem.usage(KEY, now=T0 + 101).in_use == after.in_use
 
 
+def test_forgetting_a_client_keeps_the_keys_deadline_for_the_others(database_url: str) -> None:
+    # b's lease is unacknowledged (dropped at T0 + 60 + grant_timeout 10): after a is
+    # forgotten the key must still wake the holder's timer and beat for it.
+    sem = semaphore(database_url)
+    a = hold(sem, "a", T0)
+    gid = a["grants"][0]["grant_id"]
+    sem.run_round(KEY, [sync("a", grants=[(gid, 2, 0)])], now=T0 + 1)
+    (b,) = sem.run_round(KEY, [request("b", [(None, 1, 1.0)], supports_leases=True)],
+                         now=T0 + 60)
+    assert [le["acknowledged"] for le in b["leases"]] == [False]
+    # b claims its grant (a report that leaves its lease out), so only the lease waits.
+    b_grant = b["grants"][0]["grant_id"]
+    sem.run_round(KEY, [sync("b", grants=[(b_grant, 1, 0)])], now=T0 + 61)
+    assert sem.forget_client(KEY, "a", silent_for=30, now=T0 + 65) is not None
+    assert sem.deadlines() == [(KEY, T0 + 70)]
+    assert sem.reclaim(KEY, now=T0 + 70) is None
+    usage = sem.usage(KEY, now=T0 + 70)
+    assert (usage.leases, usage.in_use) == (0, 1)  # b's claimed grant still runs
+
+
 def test_a_client_heard_from_again_is_not_forgotten(database_url: str) -> None:
     sem = semaphore(database_url)
     hold(sem, "a", T0)
