@@ -4,13 +4,15 @@
 # that loses, repeats and reorders replies. Whatever happens, the client never
 # admits an item twice, never uses more permits of a grant or lease than the
 # holder issued, never claims inside the claim margin, never draws from a lease
-# the holder already holds a final count for, and its held()/running() match.
+# the holder already holds a final count for or dropped (unacknowledged), nor
+# from an unacknowledged one inside the margin, and its held()/running() match.
 # due() passes by the keys it found quiet: after every step, a copy that looks at
 # every key must find the same keys due and leave the same reports.
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -58,6 +60,14 @@ class HLease:
     released: int = 0
     status: str = "active"
     confirmed: bool = False
+    acknowledged: bool = False
+    """Reported by the client since issue; until then dropped at issue + GRANT_TIMEOUT."""
+
+    @property
+    def drop_at(self) -> float | None:
+        return None if self.acknowledged else self.issued_at + GRANT_TIMEOUT
+
+    issued_at: float = 0.0
 
 
 @dataclass
@@ -86,6 +96,7 @@ class FakeHolder:
                 if report["stopped"]:
                     le.status = "retired"
                 le.last_report_at = now
+                le.acknowledged = True
 
     def issue(self, key: str, group: str | None, grant: int, lease: int, now: float) -> None:
         if grant:
@@ -94,7 +105,7 @@ class FakeHolder:
             self.keys[gid] = key
         if lease:
             lid = f"l{next(self.ids)}"
-            self.leases[lid] = HLease(group, lease, now)
+            self.leases[lid] = HLease(group, lease, now, issued_at=now)
             self.keys[lid] = key
 
     def tick(self, now: float) -> None:
@@ -108,6 +119,8 @@ class FakeHolder:
                 le.status = "retired"
             if le.status == "retired" and le.confirmed and le.drawn == le.released:
                 del self.leases[lid]
+            elif le.drop_at is not None and le.drop_at <= now:
+                del self.leases[lid]  # never acknowledged: dropped like an unclaimed grant
 
     def answer(self, key: str, message: dict[str, Any], now: float, *,
                contended: bool) -> dict[str, Any]:
@@ -117,8 +130,8 @@ class FakeHolder:
             for gid, g in self.grants.items() if self.keys[gid] == key]
         leases = [
             {"lease_id": lid, "group": le.group, "permits": le.permits, "drawn": le.drawn,
-             "released": le.released, "expires_at": le.last_report_at + TTL,
-             "status": le.status}
+             "released": le.released, "status": le.status, "acknowledged": le.acknowledged,
+             "expires_at": min(le.last_report_at + TTL, le.drop_at or math.inf)}
             for lid, le in self.leases.items() if self.keys[lid] == key]
         live = {g["grant_id"] for g in grants} | {le["lease_id"] for le in leases}
         grants += [{"grant_id": r["grant_id"], "group": None, "permits": 0, "claimed": 0,
@@ -210,7 +223,10 @@ class ClientMachine(RuleBasedStateMachine):
                 assert g.status == "active", "claimed from a grant the holder reclaimed"
             else:
                 le = self.holder.leases.get(permit.source_id)
-                assert le is not None and not le.confirmed, "drew from a confirmed lease"
+                assert le is not None, "drew from a lease the holder does not have (dropped)"
+                assert not le.confirmed, "drew from a confirmed lease"
+                assert le.drop_at is None or now < le.drop_at - MARGIN, (
+                    "drew from an unacknowledged lease inside the margin of its drop")
                 issued = le.permits
             assert self.used[permit.source_id] <= issued, "more permits used than issued"
 
@@ -282,6 +298,20 @@ class ClientMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS))
     def fail(self, key: str) -> None:
         self.client.on_failure(key)
+
+    @rule(data=st.data())
+    def work_arrives_near_a_drop(self, data: st.DataObject) -> None:
+        """Time moves to inside the claim margin of an unacknowledged lease's drop, and an
+        item of its key and group arrives: the client must not draw from that lease."""
+        waiting = sorted((le.drop_at, lid) for lid, le in self.holder.leases.items()
+                         if le.drop_at is not None and le.drop_at - MARGIN / 2 > self.clock.now)
+        if not waiting:
+            return
+        drop_at, lid = data.draw(st.sampled_from(waiting))
+        self.advance(drop_at - MARGIN / 2 - self.clock.now)
+        lease = self.holder.leases[lid]
+        self.enqueue(self.holder.keys[lid], lease.group, 0.0, 1)
+        self.admit(None)
 
     @rule(data=st.data())
     def holder_retires_a_lease(self, data: st.DataObject) -> None:
