@@ -1,11 +1,14 @@
 # When the holder runs a round or a reclaim for each key: the waiting requests,
 # the round timer and the claim-deadline alarm, with no I/O and no clock (`now`
-# is always a parameter). Rule: at most one job per key at a time, and a key's
+# is always a parameter). Rules: at most one job per key at a time; a key's
 # round starts at last round + round_period + a moment to gather the clients its
 # replies told to ask then, or, for a request arriving after that moment (or on a
-# key with no round yet), round_wait after it arrives.
+# key with no round yet), round_wait after it arrives; and finding what is due
+# costs what is due, not every key known (a heap of wake times).
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +64,10 @@ class _Slot:
     last_round_at: float | None = None
     busy: bool = False
     alarm_at: float | None = None
+    wake_at: float | None = None
+    """The earliest wake time of this slot in the heap (others there are stale). Rule:
+    a slot that is not busy and has something pending (requests, an alarm, or a last
+    round that still spaces the next) has a wake at or before its due time."""
 
 
 class Batcher:
@@ -72,21 +79,34 @@ class Batcher:
         self._max_batch = max_batch
         self._slots: dict[KeyId, _Slot] = {}
         self._waiting = 0
+        # (wake time, tie-break, key): a slot's wake is checked when it comes up, and a
+        # stale entry (its slot woken earlier, rescheduled or forgotten) is skipped then.
+        # Scanning every slot instead took a third of a holder's interpreter time with
+        # 10,000 keys (benchmarks.holder_scale, 2026-12-02).
+        self._wakes: list[tuple[float, int, KeyId]] = []
+        self._order = itertools.count()
 
     def add(self, key_id: KeyId, request: Waiting) -> None:
-        self._slots.setdefault(key_id, _Slot()).waiting.append(request)
+        slot = self._slots.setdefault(key_id, _Slot())
+        slot.waiting.append(request)
         self._waiting += 1
+        if len(slot.waiting) == 1 and not slot.busy:
+            self._wake(key_id, slot, self._round_at(key_id, slot))
 
     def set_alarm(self, key_id: KeyId, deadline: float) -> None:
         """Follow `deadline` if it is earlier than the alarm already set for the key."""
         slot = self._slots.setdefault(key_id, _Slot())
         if slot.alarm_at is None or deadline < slot.alarm_at:
             slot.alarm_at = deadline
+            if not slot.busy:
+                self._wake(key_id, slot, deadline)
 
     def replace_alarm(self, key_id: KeyId, deadline: float | None, *, now: float) -> None:
         """After a reclaim the store knows the key's next deadline: follow exactly that."""
         slot = self._slots.setdefault(key_id, _Slot())
         slot.alarm_at = None if deadline is None else max(deadline, now + ALARM_MIN_DELAY)
+        if not slot.busy:
+            self._wake(key_id, slot, now if slot.alarm_at is None else slot.alarm_at)
 
     def round_at(self, key_id: KeyId) -> float | None:
         """When the waiting requests of `key_id` get their round (None: nothing waits)."""
@@ -109,26 +129,58 @@ class Batcher:
                 return told
         return first + round_wait
 
+    def _wake(self, key_id: KeyId, slot: _Slot, at: float) -> None:
+        if slot.wake_at is None or at < slot.wake_at:
+            slot.wake_at = at
+            heapq.heappush(self._wakes, (at, next(self._order), key_id))
+
     def take_due(self, now: float) -> list[Job]:
-        """Jobs to start now; their keys are busy until `finished` is called."""
+        """Jobs to start now, earliest due first; their keys are busy until `finished`."""
         jobs: list[Job] = []
-        for key_id, slot in list(self._slots.items()):
+        wakes = self._wakes
+        while wakes and wakes[0][0] <= now:
+            at, _, key_id = heapq.heappop(wakes)
+            slot = self._slots.get(key_id)
+            if slot is None or slot.wake_at != at:
+                continue  # stale: forgotten, or woken earlier
+            slot.wake_at = None
             if slot.busy:
-                continue
-            if slot.waiting and self._round_at(key_id, slot) <= now:
-                batch = slot.waiting[: self._max_batch]
-                del slot.waiting[: self._max_batch]
-                self._waiting -= len(batch)
-                slot.busy = True
-                slot.last_round_at = now
-                jobs.append(Round(key_id, tuple(batch)))
-            elif slot.alarm_at is not None and slot.alarm_at <= now:
-                slot.busy = True
-                slot.alarm_at = None
-                jobs.append(Reclaim(key_id))
+                continue  # `finished` wakes it again
+            job = self._job(key_id, slot, now)
+            if job is not None:
+                jobs.append(job)
             elif self._forgettable(key_id, slot, now):
                 del self._slots[key_id]
+            else:
+                self._reschedule(key_id, slot)
         return jobs
+
+    def _job(self, key_id: KeyId, slot: _Slot, now: float) -> Job | None:
+        if slot.waiting and self._round_at(key_id, slot) <= now:
+            batch = slot.waiting[: self._max_batch]
+            del slot.waiting[: self._max_batch]
+            self._waiting -= len(batch)
+            slot.busy = True
+            slot.last_round_at = now
+            return Round(key_id, tuple(batch))
+        if slot.alarm_at is not None and slot.alarm_at <= now:
+            slot.busy = True
+            slot.alarm_at = None
+            return Reclaim(key_id)
+        return None
+
+    def _reschedule(self, key_id: KeyId, slot: _Slot) -> None:
+        """Wake the slot (not busy) when its next thing is due: its round, its alarm, or,
+        with nothing pending, when it may be forgotten."""
+        times = []
+        if slot.waiting:
+            times.append(self._round_at(key_id, slot))
+        if slot.alarm_at is not None:
+            times.append(slot.alarm_at)
+        if not times:  # forgotten when woken: now, or once its period no longer spaces
+            last = slot.last_round_at
+            times.append(0.0 if last is None else last + self._timing(key_id[0])[1])
+        self._wake(key_id, slot, min(times))
 
     def _forgettable(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
         # A slot with nothing pending is kept only while its last round still
@@ -151,18 +203,12 @@ class Batcher:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
+            self._reschedule(key_id, slot)
 
     def next_wake(self) -> float | None:
-        """The earliest time `take_due` may return a job (None: nothing scheduled)."""
-        times = []
-        for key_id, slot in self._slots.items():
-            if slot.busy:
-                continue
-            if slot.waiting:
-                times.append(self._round_at(key_id, slot))
-            if slot.alarm_at is not None:
-                times.append(slot.alarm_at)
-        return min(times, default=None)
+        """The earliest time `take_due` may return a job (None: nothing scheduled). It may
+        be earlier than the first job (a stale wake), never later."""
+        return self._wakes[0][0] if self._wakes else None
 
     def drop_waiting(self) -> list[Waiting]:
         """Forget every waiting request (their clients time out and ask again)."""

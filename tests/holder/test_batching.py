@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from durability_celery.holder.batching import GATHER, Batcher, Reclaim, Round, Waiting
 
@@ -201,3 +203,83 @@ def test_waiting_count_follows_adds_rounds_and_drops() -> None:
     assert b.waiting_count() == 2
     b.drop_waiting()
     assert b.waiting_count() == 0
+
+
+def test_a_key_whose_reclaim_found_no_deadline_is_forgotten() -> None:
+    b = batcher()
+    b.set_alarm(K, 5.0)
+    assert b.take_due(5.0) == [Reclaim(K)]
+    b.finished(K)
+    b.replace_alarm(K, None, now=5.0)
+    assert b.take_due(5.0) == []
+    assert b.next_wake() is None  # nothing left to wake for: the slot is gone
+    b.add(K, req(6.0, 1))
+    assert b.round_at(K) == 7.0
+
+
+def test_finding_what_is_due_does_not_visit_every_key() -> None:
+    # 10,000 keys waiting for rounds later on: a pass that finds nothing due, or the
+    # one due key, looks at no other key's timing (which each visit asks for).
+    asked: list[str] = []
+
+    def timing(semaphore: str) -> tuple[float, float]:
+        asked.append(semaphore)
+        return WAIT, PERIOD
+
+    b = Batcher(timing)
+    for n in range(10_000):
+        b.add(("jobs", f"bulk-{n}"), req(100.0 + n / 1000, n))
+    b.add(K, req(0.0, -1))
+    asked.clear()
+    assert b.take_due(50.0) == [Round(K, (req(0.0, -1),))]
+    assert len(asked) <= 2
+    assert b.next_wake() == 101.0  # K is busy: the first of the others is next
+    b.finished(K)
+    assert b.next_wake() == 50.0 + PERIOD  # K may be forgotten then
+    jobs = b.take_due(101.0 + 0.0005)  # and the first of the 10,000 is due
+    assert [j.key_id for j in jobs] == [("jobs", "bulk-0")]
+    assert len(asked) <= 6
+    assert b.round_at(K) is None and b.next_wake() == 101.001
+
+
+@given(st.lists(st.tuples(st.sampled_from(["add", "alarm", "tick", "finish"]),
+                          st.integers(0, 4), st.floats(0.0, 3.0)), max_size=80))
+@settings(max_examples=300, deadline=None)
+def test_take_due_returns_exactly_the_due_jobs_and_wakes_are_never_late(
+        steps: list[tuple[str, int, float]]) -> None:
+    # The heap must agree with a scan of every key: at each tick, a job for each key
+    # that is not busy and whose round (round_at) or alarm is due, and for no other;
+    # and next_wake is never later than any such time still to come.
+    b = batcher()
+    keys = [("jobs", f"k{n}") for n in range(5)]
+    busy: set[tuple[str, str]] = set()
+    now = 0.0
+    for op, n, x in steps:
+        key = keys[n]
+        if op == "add":
+            b.add(key, req(now + x / 10, n))
+        elif op == "alarm":
+            b.set_alarm(key, now + x)
+        elif op == "finish" and key in busy:
+            busy.discard(key)
+            b.finished(key)
+        elif op == "tick":
+            now += x
+            due = {}
+            for k in keys:
+                if k in busy:
+                    continue
+                round_at, alarm = b.round_at(k), b.alarm(k)
+                if round_at is not None and round_at <= now:
+                    due[k] = Round
+                elif alarm is not None and alarm <= now:
+                    due[k] = Reclaim
+            jobs = b.take_due(now)
+            assert {j.key_id: type(j) for j in jobs} == due
+            assert len(jobs) == len(due)
+            busy |= set(due)
+            upcoming = [t for k in keys if k not in busy
+                        for t in (b.round_at(k), b.alarm(k)) if t is not None]
+            if upcoming:
+                wake = b.next_wake()
+                assert wake is not None and wake <= min(upcoming)
