@@ -28,6 +28,10 @@ MAX_WAITING = 50_000
 cannot exhaust the holder's memory (clients back off and ask again)."""
 MAX_SLEEP = 0.5
 """Longest wait for an event, so a stop is noticed promptly even without one."""
+MAX_EVENTS_PER_PASS = 100
+"""Events handled between two looks at the due jobs; their replies go out together
+(ReplyPublisher.batch). Bounded, so a busy inbox delays neither the replies nor
+the next rounds."""
 
 
 @dataclass(frozen=True)
@@ -125,19 +129,24 @@ class Dispatcher(threading.Thread):
         return min(MAX_SLEEP, max(0.0, wake - self._clock()))
 
     def _handle_events(self, timeout: float) -> bool:
-        """Handle the next event and everything queued behind it; False on stop."""
+        """Handle the next event and up to MAX_EVENTS_PER_PASS queued behind it, their
+        replies published together; False on stop."""
         try:
             event = self._inbox.get(timeout=timeout)
         except queue.Empty:
             return True
-        while True:
-            if event is _STOP:
-                return False
-            self._handle(event)
-            try:
-                event = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
+        with self._publisher.batch():
+            for handled in range(1, MAX_EVENTS_PER_PASS + 1):
+                if event is _STOP:
+                    return False
+                self._handle(event)
+                if handled == MAX_EVENTS_PER_PASS:
+                    break  # the rest waits for the next pass, in order
+                try:
+                    event = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+        return True
 
     def _handle(self, event: object) -> None:
         if isinstance(event, _Incoming):

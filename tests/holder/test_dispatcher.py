@@ -1,19 +1,22 @@
 # The dispatcher thread with a stand-in semaphore and publisher (no broker, no
 # database): replies only after run_round returned, one job per key at a time,
-# a slow key does not stall the others, failures answer `unavailable`, and
-# claim deadlines and unacknowledged leases in responses arm the alarm.
+# a slow key does not stall the others, failures answer `unavailable`, claim
+# deadlines and unacknowledged leases in responses arm the alarm, and the
+# replies of one pass over the inbox go out in one bounded batch.
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from durability_celery.errors import InfrastructureError
 from durability_celery.holder.batching import Waiting
-from durability_celery.holder.dispatcher import Dispatcher
+from durability_celery.holder.dispatcher import MAX_EVENTS_PER_PASS, Dispatcher
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,12 +71,31 @@ class FakeSemaphore:
         return []
 
 
+@dataclass
 class FakePublisher:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, str | None, dict[str, Any], float]] = []
+    """Replies published inside a batch are sent when it ends, as kombu's are."""
+
+    sent: list[tuple[str, str | None, dict[str, Any], float]] = field(default_factory=list)
+    batches: list[list[str | None]] = field(default_factory=list)
+    """Correlation ids of each batch that sent something, in order."""
+    _buffer: list[tuple[str, str | None, dict[str, Any]]] | None = None
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        self._buffer = []
+        try:
+            yield
+        finally:
+            buffer, self._buffer = self._buffer, None
+            if buffer:
+                self.batches.append([c for _, c, _ in buffer])
+                self.sent += [(r, c, b, time.monotonic()) for r, c, b in buffer]
 
     def publish(self, reply_to: str, correlation_id: str | None, body: dict[str, Any]) -> bool:
-        self.sent.append((reply_to, correlation_id, body, time.monotonic()))
+        if self._buffer is None:
+            self.sent.append((reply_to, correlation_id, body, time.monotonic()))
+        else:
+            self._buffer.append((reply_to, correlation_id, body))
         return True
 
     def close(self) -> None:
@@ -109,6 +131,26 @@ def test_replies_follow_the_round_and_correlate(rig: Any) -> None:
     assert [c for c in sem.calls if c[0] == "round"] == [("round", "a", 3)]
     assert sorted((r, c, b["n"]) for r, c, b, _ in pub.sent) == [
         ("reply-0", "c0", 0), ("reply-1", "c1", 1), ("reply-2", "c2", 2)]
+    assert pub.batches == [["c0", "c1", "c2"]]  # one round's replies: one batch
+
+
+def test_a_pass_over_a_full_inbox_is_bounded_and_keeps_the_order() -> None:
+    # Queued before the thread starts, 250 answers are handled in passes of at most
+    # MAX_EVENTS_PER_PASS, each pass's replies sent together, none lost or reordered.
+    pub = FakePublisher()
+    dispatcher = Dispatcher(semaphores={"s": FakeSemaphore()}, serves=lambda s, k: True,
+                            publisher=pub, round_threads=1,  # type: ignore[arg-type]
+                            scan_interval=100.0)
+    count = 2 * MAX_EVENTS_PER_PASS + 50
+    for n in range(count):
+        dispatcher.answer_error(f"reply-{n}", f"c{n}", "unavailable", "test")
+    dispatcher.start()
+    try:
+        wait_for(lambda: len(pub.sent) == count)
+    finally:
+        dispatcher.stop(timeout=5)
+    assert [len(b) for b in pub.batches] == [MAX_EVENTS_PER_PASS, MAX_EVENTS_PER_PASS, 50]
+    assert [c for b in pub.batches for c in b] == [f"c{n}" for n in range(count)]
 
 
 def test_a_slow_key_does_not_stall_others_and_never_runs_twice(rig: Any) -> None:
