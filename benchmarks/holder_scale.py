@@ -76,6 +76,9 @@ PHASES = {"short": (0.01, 0.05), "default": (1.0, 2.0)}  # name: (round_wait, ro
 GRANT_TIMEOUT = 120.0
 PREFIX = "dcscale"
 BURST = 500
+DRAIN_MAX = 0.05
+"""Longest uninterrupted drain of replies (s). Unbounded, a holder answering without a
+2 ms pause kept the simulator draining to the end of the window, sending nothing due."""
 """Initial requests published between two reply drains, so early replies are timed fairly."""
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -249,7 +252,9 @@ class Simulator:
         heapq.heappush(self.due, (float(body["next_request_at"]), key, client))
 
     def drain(self, until: float) -> None:
-        """Consume replies until none is waiting or `until` (monotonic) passes."""
+        """Consume replies until none is waiting, `until` (monotonic) passes, or DRAIN_MAX
+        did: replies that never pause must not stop the requests due meanwhile."""
+        until = min(until, time.monotonic() + DRAIN_MAX)
         while time.monotonic() < until:
             try:
                 self._connection.drain_events(timeout=0.002)
