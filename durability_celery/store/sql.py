@@ -85,10 +85,12 @@ _NEW_KEY = {"rounds": 0, "blocked": "[]"}
 # --- loading ---------------------------------------------------------------
 
 
-def _insert_key_if_missing(conn: Connection, semaphore: str, key: str) -> None:
+def _insert_key_if_missing(conn: Connection, semaphore: str, key: str) -> bool:
+    """Insert the key's row unless it exists; True if this transaction inserted it."""
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
     row = {"semaphore": semaphore, "key": key, **_NEW_KEY}
-    conn.execute(dialect.insert(keys).values(**row).on_conflict_do_nothing())
+    result = conn.execute(dialect.insert(keys).values(**row).on_conflict_do_nothing())
+    return result.rowcount == 1
 
 
 def load(conn: Connection, semaphore: str, key: str) -> KeyState:
@@ -97,9 +99,14 @@ def load(conn: Connection, semaphore: str, key: str) -> KeyState:
     same key waits here and then reads what that round committed."""
     state = read(conn, semaphore, key, lock=True)
     if state is None:
-        # First round of this key. Two first rounds racing both insert; the
-        # loser's insert does nothing (PostgreSQL waits for the winner's commit).
-        _insert_key_if_missing(conn, semaphore, key)
+        # First round of this key. Two first rounds racing both insert; the loser's
+        # insert does nothing (PostgreSQL waits for the winner's commit) and it reads
+        # what the winner wrote. The winner's row is new and locked by its insert, and
+        # nothing refers to a key without a row (rows hang off it only from rounds,
+        # and no key row is deleted): its state is the empty one, read or not. Reading
+        # it anyway was four statements in each first round.
+        if _insert_key_if_missing(conn, semaphore, key):
+            return KeyState(semaphore=semaphore, key=key)
         state = read(conn, semaphore, key, lock=True)
     assert state is not None  # the row exists now, and nothing here deletes key rows
     return state

@@ -2,6 +2,8 @@
 # connection, `save` writes only what changed, and the deadline queries.
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -66,6 +68,33 @@ def test_every_field_round_trips(engine: sa.Engine) -> None:
         row = conn.execute(sa.select(store.keys)).mappings().one()
     assert row["next_claim_deadline"] == state.next_claim_deadline == 1764450010.125
     assert row["updated_at"] == 1764450005.5
+
+
+def test_a_first_round_that_loses_the_race_for_the_key_row_reads_the_winners_state(
+        engine: sa.Engine) -> None:
+    # Two first rounds of one key: the one that inserts the key row takes the empty
+    # state without reading; the other waits (PostgreSQL: on the insert, SQLite: at
+    # BEGIN IMMEDIATE) and must then read what the first one committed.
+    state = _full_state(key="raced")
+    second: dict[str, KeyState] = {}
+    other = store.create_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        with store.transaction(engine, write=True) as conn:
+            first = store.load(conn, state.semaphore, state.key)
+            assert first == KeyState(state.semaphore, state.key)
+
+            def load_second() -> None:
+                with store.transaction(other, write=True) as conn2:
+                    second["state"] = store.load(conn2, state.semaphore, state.key)
+
+            racer = threading.Thread(target=load_second)
+            racer.start()
+            time.sleep(0.3)  # let it reach the row: it waits for this commit
+            store.save(conn, first, state, now=1764450005.5)
+        racer.join(10)
+    finally:
+        other.dispose()
+    assert second["state"] == state
 
 
 def test_changes_inserts_and_deletes_round_trip(engine: sa.Engine) -> None:
