@@ -61,3 +61,5 @@ def test_a_killed_worker_is_settled_and_a_silent_live_one_is_not(
     assert cluster.semaphore.usage("alive").in_use == 1
     assert alive_id not in cluster.ends()
     assert holder.popen.poll() is None and survivor.popen.poll() is None
+    # Its 60 s task would hold a warm shutdown for the whole of the teardown's grace.
+    survivor.kill()
