@@ -76,6 +76,9 @@ def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: st
             conn.execute(sa.text("ALTER TABLE durability_semaphore_leases"
                                  " DROP COLUMN acknowledged"))
             conn.execute(sa.update(store.schema.schema_version).values(version=1))
+            # A lease hangs off its key's row, as every round of version 1 wrote it.
+            conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=1,
+                                                      blocked="[]", last_round_at=1.0))
             conn.execute(sa.text(
                 "INSERT INTO durability_semaphore_leases (semaphore, key, lease_id, client_id,"
                 ' "group", permits, drawn, released, issued_at, last_report_at, status,'
