@@ -259,6 +259,32 @@ class DurabilitySemaphore:
         with store.transaction(self._engine, write=False) as conn:
             return [key for _, key in store.all_keys(conn, self.name)]
 
+    def prune(self, *, idle_for: float, batch: int = 1000, now: float | None = None) -> int:
+        """Delete the rows of keys that hold nothing (no grant, lease or client) and had no
+        round for `idle_for` seconds (at least `round_period`); returns how many.
+
+        Key rows are never deleted otherwise, so a semaphore whose keys come and go (one
+        per job, per document) grows its table for ever. A pruned key loses nothing a
+        round needs: its next round is a first round, `round_wait` after its request. Safe
+        while holders run: rows a round holds are skipped, and a round that waits for a
+        row being pruned starts the key afresh. Each `batch` of rows is one transaction.
+        """
+        at = self._now(now)
+        valid = isinstance(idle_for, int | float) and not isinstance(idle_for, bool)
+        if not valid or not math.isfinite(idle_for) or idle_for < self._config.round_period:
+            raise CallerError(f"idle_for must be a number of seconds >= round_period "
+                              f"({self._config.round_period:g}), got {idle_for!r}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise CallerError(f"batch must be a positive integer, got {batch!r}")
+        total = 0
+        while True:
+            with store.transaction(self._engine, write=True) as conn:
+                deleted = store.prune_keys(conn, self.name, idle_before=at - idle_for,
+                                           limit=batch)
+            total += deleted
+            if deleted < batch:  # fewer than asked: nothing more was idle, or locked now
+                return total
+
     def silent_clients(self, *, silent_for: float,
                        now: float | None = None) -> dict[str, list[str]]:
         """Clients holding grants or leases that no holder has heard from for `silent_for`

@@ -1,4 +1,4 @@
-# The small commands of the CLI (usage, migrate, holder) and how the CLI finds
+# The small commands of the CLI (usage, migrate, prune, holder) and how the CLI finds
 # its semaphores: the user's Celery module (--app) or worker_config's
 # environment variables. Rule: reading configuration never starts anything and
 # never creates files; only `migrate` writes.
@@ -132,12 +132,16 @@ def _hide_password(url: str) -> str:
 # usage
 
 
+def _known(sems: dict[str, DurabilitySemaphore], name: str) -> DurabilitySemaphore:
+    if name not in sems:
+        known = ", ".join(sorted(sems)) or "none (set DURABILITY_SEMAPHORES or use --app)"
+        raise ConfigurationError(f"unknown semaphore {name!r} (configured: {known})")
+    return sems[name]
+
+
 def usage_command(args: argparse.Namespace) -> int:
     with semaphores_from(args) as sems:
-        if args.semaphore not in sems:
-            known = ", ".join(sorted(sems)) or "none (set DURABILITY_SEMAPHORES or use --app)"
-            raise ConfigurationError(f"unknown semaphore {args.semaphore!r} (configured: {known})")
-        sem = sems[args.semaphore]
+        sem = _known(sems, args.semaphore)
         _require_schema(sem)
         found = sem.usage(args.key)
     if args.json:
@@ -180,6 +184,20 @@ def _require_schema(sem: DurabilitySemaphore) -> None:
     if not present:
         raise ConfigurationError(
             "the database has no durability schema: run `durability-celery migrate` first")
+
+
+# --------------------------------------------------------------------------
+# prune
+
+
+def prune_command(args: argparse.Namespace) -> int:
+    with semaphores_from(args) as sems:
+        chosen = [_known(sems, name) for name in args.semaphores or sorted(sems)]
+        for sem in chosen:
+            _require_schema(sem)
+            count = sem.prune(idle_for=args.idle_for)
+            print(f"{sem.name}: {count} idle key row(s) pruned")
+    return 0
 
 
 # --------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 # The `durability-celery` command (also `python -m durability_celery`): demo,
-# usage, migrate, holder. Rule: an error the user can fix (database or broker
+# usage, migrate, prune, holder. Rule: an error the user can fix (database or broker
 # unreachable, unknown semaphore, bad configuration) prints ONE line on stderr
 # and exits 1, never a traceback.
 from __future__ import annotations
@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--drop", action="store_true", help="remove the schema instead")
     _add_source_options(migrate)
 
+    prune = commands.add_parser(
+        "prune", help="delete the rows of keys that hold nothing and have been idle")
+    prune.add_argument("--idle-for", type=float, required=True, metavar="SECONDS",
+                       help="prune keys with no round for this long (at least round_period)")
+    prune.add_argument("semaphores", nargs="*", metavar="SEMAPHORE",
+                       help="semaphores to prune (default: every configured one)")
+    _add_source_options(prune)
+
     holder = commands.add_parser(
         "holder", help="start a holder worker (runs celery ... worker --durability-holder)")
     holder.add_argument("-A", "--app", metavar="MODULE", default="worker_config",
@@ -93,6 +101,10 @@ def run(argv: Sequence[str]) -> int:
         from .commands import migrate_command
 
         return migrate_command(args)
+    if args.command == "prune":
+        from .commands import prune_command
+
+        return prune_command(args)
     from .commands import holder_command
 
     return holder_command(args)

@@ -11,7 +11,7 @@ from .schema import (
     metadata,
     migrate,
 )
-from .sql import all_keys, deadlines, load, read, save, silent_clients
+from .sql import all_keys, deadlines, load, prune_keys, read, save, silent_clients
 
 __all__ = [
     # schema
@@ -35,4 +35,6 @@ __all__ = [
     "all_keys",
     "deadlines",
     "silent_clients",
+    # maintenance
+    "prune_keys",
 ]

@@ -96,19 +96,23 @@ def _insert_key_if_missing(conn: Connection, semaphore: str, key: str) -> bool:
 def load(conn: Connection, semaphore: str, key: str) -> KeyState:
     """The state of (semaphore, key) for a round: its key row is inserted if missing and
     locked to commit before grants and leases are read, so a concurrent round for the
-    same key waits here and then reads what that round committed."""
+    same key waits here and then reads what that round committed (or, if `prune_keys`
+    deleted the row meanwhile, finds none and starts the key afresh)."""
     state = read(conn, semaphore, key, lock=True)
-    if state is None:
+    for _ in range(3):  # a row pruned between a lost insert and its read: insert again
+        if state is not None:
+            return state
         # First round of this key. Two first rounds racing both insert; the loser's
         # insert does nothing (PostgreSQL waits for the winner's commit) and it reads
         # what the winner wrote. The winner's row is new and locked by its insert, and
-        # nothing refers to a key without a row (rows hang off it only from rounds,
-        # and no key row is deleted): its state is the empty one, read or not. Reading
-        # it anyway was four statements in each first round.
+        # nothing refers to a key without a row (rows hang off a key only from its
+        # rounds, and prune_keys deletes a row only when none does): its state is the
+        # empty one, read or not. Reading it anyway was four statements per first round.
         if _insert_key_if_missing(conn, semaphore, key):
             return KeyState(semaphore=semaphore, key=key)
         state = read(conn, semaphore, key, lock=True)
-    assert state is not None  # the row exists now, and nothing here deletes key rows
+    if state is None:
+        raise RuntimeError(f"the key row of {semaphore}/{key} keeps disappearing")
     return state
 
 
@@ -277,6 +281,38 @@ def deadlines(conn: Connection, semaphore: str, *,
     if due_by is not None:
         query = query.where(keys.c.next_claim_deadline <= due_by)
     return [(k, float(d)) for k, d in conn.execute(query)]
+
+
+def _idle_key(idle_before: float) -> sa.ColumnElement[bool]:
+    """Untouched since `idle_before`, with no grant, lease or client row hanging off it."""
+    def none_in(table: sa.Table) -> sa.ColumnElement[bool]:
+        return ~sa.exists().where(table.c.semaphore == keys.c.semaphore,
+                                  table.c.key == keys.c.key)
+
+    touched = sa.func.coalesce(keys.c.updated_at, keys.c.last_round_at, 0.0)
+    return sa.and_(touched < idle_before, none_in(grants), none_in(leases), none_in(clients))
+
+
+def prune_keys(conn: Connection, semaphore: str, *, idle_before: float, limit: int) -> int:
+    """Delete up to `limit` key rows of `semaphore` that hold nothing and were untouched
+    since `idle_before`; returns how many were deleted.
+
+    A key row carries nothing a round needs once the key holds nothing and its last
+    round no longer spaces the next: pruned, the key's next round is a first round.
+    Rows are locked first, skipping those a round holds (PostgreSQL; on SQLite this
+    transaction excludes every round), and the delete checks again with them locked,
+    in a statement of its own that sees every commit before it: a round waiting for a
+    pruned row then finds none and inserts it again (`load`)."""
+    idle = _idle_key(idle_before)
+    candidates = (select(keys.c.key).where(keys.c.semaphore == semaphore, idle)
+                  .order_by(keys.c.key).limit(limit).with_for_update(skip_locked=True))
+    found = [key for (key,) in conn.execute(candidates)]
+    deleted = 0
+    for start in range(0, len(found), _DELETE_CHUNK):
+        chunk = found[start:start + _DELETE_CHUNK]
+        deleted += conn.execute(delete(keys).where(
+            keys.c.semaphore == semaphore, keys.c.key.in_(chunk), idle)).rowcount
+    return deleted
 
 
 def all_keys(conn: Connection, semaphore: str | None = None) -> list[tuple[str, str]]:

@@ -108,6 +108,32 @@ def test_usage_json_and_table(cli: Any, database_url: str) -> None:
     assert "group_limit (2 queued)" in table.stdout
 
 
+def test_prune_deletes_idle_keys_and_refuses_bad_input(cli: Any, database_url: str) -> None:
+    sem = DurabilitySemaphore("accounts", database=database_url, limit=9)
+    sem.migrate()
+
+    def ask(key: str, at: float, grants: list[dict[str, Any]], count: int) -> dict[str, Any]:
+        (reply,) = sem.run_round(key, [{
+            "type": "request", "v": 1, "semaphore": "accounts", "key": key, "client_id": "c1",
+            "demand": [{"group": None, "count": count, "oldest_at": at}] if count else [],
+            "grants": grants, "leases": [], "supports_leases": False}], now=at)
+        return reply
+
+    (grant,) = ask("done", 1.0, [], 1)["grants"]  # a day's work, returned long ago
+    ask("done", 4.0, [{"grant_id": grant["grant_id"], "claimed": 1, "released": 1}], 0)
+    ask("busy", 1.0, [], 1)  # still holds its grant
+    sem.close()
+    env = {"DURABILITY_SEMAPHORES": SEMAPHORES, "DURABILITY_DATABASE_URL": database_url}
+    one_line_error(cli("prune", "--idle-for", "0.5", env=env), "round_period")
+    one_line_error(cli("prune", "nope", "--idle-for", "3600", env=env), "unknown semaphore")
+    done = cli("prune", "--idle-for", "3600", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "accounts: 1 idle key row(s) pruned"
+    check = DurabilitySemaphore("accounts", database=database_url, limit=9)
+    assert check.keys() == ["busy"]
+    check.close()
+
+
 def test_usage_with_app_module(cli: Any, database_url: str, tmp_path: Path) -> None:
     module = f"myapp_{os.urandom(4).hex()}"
     (tmp_path / f"{module}.py").write_text(
