@@ -46,6 +46,11 @@ class Durability:
                     f"grant_timeout of semaphore {semaphore.name!r} "
                     f"({semaphore.config.grant_timeout}s), or no grant could ever be claimed"
                 )
+            prune_after = self.settings.prune_after
+            if prune_after is not None and prune_after < semaphore.config.round_period:
+                raise ConfigurationError(
+                    f"prune_after ({prune_after}s) must be at least the round_period of "
+                    f"semaphore {semaphore.name!r} ({semaphore.config.round_period}s)")
             self.semaphores[semaphore.name] = semaphore
         _REGISTRY[app] = self
         self._install()

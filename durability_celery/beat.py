@@ -1,8 +1,10 @@
 # Beat's safety net: a periodic task that reclaims expired unclaimed grants for
 # every key that has them, so capacity comes back even with no traffic and no
-# holder timer. Rule: idempotent and harmless when several beats run, because
-# each reclaim is one transaction under the key's row lock (serialized with
-# rounds); `expires` equals the interval so missed beats never pile up.
+# holder timer; and, with `prune_after` set, one that prunes idle key rows.
+# Rule: idempotent and harmless when several beats run, because each reclaim
+# and each pruned batch is one transaction under the keys' row locks
+# (serialized with rounds); `expires` equals the interval so missed beats never
+# pile up.
 from __future__ import annotations
 
 import logging
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
 
 RECLAIM_TASK = "durability_celery.reclaim"
 SCHEDULE_NAME = "durability_celery.reclaim"
+PRUNE_TASK = "durability_celery.prune"
+PRUNE_SCHEDULE_NAME = "durability_celery.prune"
 
 logger = logging.getLogger(__name__)
 
@@ -61,33 +65,56 @@ def reclaim_due(semaphores: Iterable[DurabilitySemaphore]) -> ReclaimSummary:
     return summary
 
 
+def prune_idle(semaphores: Iterable[DurabilitySemaphore], idle_for: float) -> dict[str, int]:
+    """Prune each semaphore's idle key rows (DurabilitySemaphore.prune): rows deleted per
+    semaphore. One that fails is logged and left out; the next beat tries it again."""
+    pruned = {}
+    for sem in semaphores:
+        try:
+            pruned[sem.name] = sem.prune(idle_for=idle_for)
+        except DurabilityError as exc:
+            logger.error("prune: %r failed: %s", sem.name, exc)
+    return pruned
+
+
 def beat_schedule(durability: Durability) -> dict[str, dict[str, Any]]:
-    """The beat entry, for users who manage `beat_schedule` themselves (install adds it)."""
-    interval = durability.settings.reclaim_interval
-    return {
+    """The beat entries, for users who manage `beat_schedule` themselves (install adds them)."""
+    settings = durability.settings
+    entries = {
         SCHEDULE_NAME: {
             "task": RECLAIM_TASK,
-            "schedule": interval,
+            "schedule": settings.reclaim_interval,
             "args": (),
             "kwargs": {},
-            "options": _options(durability),
+            "options": _options(durability, settings.reclaim_interval),
         }
     }
+    if settings.prune_after is not None:
+        entries[PRUNE_SCHEDULE_NAME] = {
+            "task": PRUNE_TASK,
+            "schedule": settings.prune_interval,
+            "args": (),
+            "kwargs": {},
+            "options": _options(durability, settings.prune_interval),
+        }
+    return entries
 
 
-def _options(durability: Durability) -> dict[str, Any]:
+def _options(durability: Durability, interval: float) -> dict[str, Any]:
     # Routed to the control queue, which holder workers consume; expires so a
     # beat that runs while no holder is up does not leave a backlog to replay.
     return {
         "queue": durability.control_queue,
-        "expires": durability.settings.reclaim_interval,
+        "expires": interval,
         "ignore_result": True,
     }
 
 
 def install(durability: Durability) -> None:
-    """Register the reclaim task on the app and schedule it every `reclaim_interval`."""
+    """Register the reclaim task on the app and schedule it every `reclaim_interval`; with
+    `prune_after` set, the prune task every `prune_interval` too."""
     app = durability.app
+    settings = durability.settings
 
     def reclaim() -> dict[str, Any]:
         summary = reclaim_due(durability.semaphores.values())
@@ -96,10 +123,20 @@ def install(durability: Durability) -> None:
         return summary.to_dict()
 
     task: Any = app.task(name=RECLAIM_TASK, ignore_result=True, shared=False)(reclaim)
-    options = _options(durability)
-    app.add_periodic_task(
-        durability.settings.reclaim_interval, task.s(), name=SCHEDULE_NAME, **options
-    )
+    app.add_periodic_task(settings.reclaim_interval, task.s(), name=SCHEDULE_NAME,
+                          **_options(durability, settings.reclaim_interval))
+    prune_after = settings.prune_after
+    if prune_after is not None:
+
+        def prune() -> dict[str, int]:
+            pruned = prune_idle(durability.semaphores.values(), prune_after)
+            if any(pruned.values()):
+                logger.info("prune: idle key rows deleted: %s", pruned)
+            return pruned
+
+        prune_task: Any = app.task(name=PRUNE_TASK, ignore_result=True, shared=False)(prune)
+        app.add_periodic_task(settings.prune_interval, prune_task.s(), name=PRUNE_SCHEDULE_NAME,
+                              **_options(durability, settings.prune_interval))
     _dispose_engines_after_fork(durability)
 
 

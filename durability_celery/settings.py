@@ -50,6 +50,11 @@ class DurabilitySettings:
     no live worker claims its id (None, the default: never; the spec's behaviour)."""
     reconcile_interval: float = 60.0
     """How often beat looks for silent clients when `reconcile_after` is set."""
+    prune_after: float | None = None
+    """Delete the rows of keys that hold nothing and had no round for this long (None, the
+    default: never; DurabilitySemaphore.prune). At least each semaphore's round_period."""
+    prune_interval: float = 3600.0
+    """How often beat prunes when `prune_after` is set."""
 
     def __post_init__(self) -> None:
         _check_range("shards", self.shards, 1, 4096)
@@ -70,6 +75,9 @@ class DurabilitySettings:
         if self.reconcile_after is not None:
             _check_range("reconcile_after", self.reconcile_after, 10, 30 * 86400)
         _check_range("reconcile_interval", self.reconcile_interval, 0.1, 86400)
+        if self.prune_after is not None:
+            _check_range("prune_after", self.prune_after, 1, 366 * 86400)
+        _check_range("prune_interval", self.prune_interval, 1, 7 * 86400)
         if not isinstance(self.supports_leases, bool):
             raise ConfigurationError("supports_leases must be a bool")
 

@@ -1,6 +1,7 @@
 # Beat reclamation: the reclaim pass on real databases, the beat entry's routing
 # and expiry, and a real `celery beat` + worker (no holder step) reclaiming a
-# grant that nobody claims, with no other traffic.
+# grant that nobody claims, with no other traffic. Beat's pruning of idle key
+# rows, scheduled only when `prune_after` is set.
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,18 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from durability_celery.beat import RECLAIM_TASK, SCHEDULE_NAME, beat_schedule, install, reclaim_due
+from durability_celery.app import Durability
+from durability_celery.beat import (
+    PRUNE_SCHEDULE_NAME,
+    PRUNE_TASK,
+    RECLAIM_TASK,
+    SCHEDULE_NAME,
+    beat_schedule,
+    install,
+    prune_idle,
+    reclaim_due,
+)
+from durability_celery.errors import ConfigurationError
 from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.settings import DurabilitySettings
 
@@ -98,8 +110,9 @@ def test_a_failing_semaphore_does_not_stop_the_others(clocked: Any, tmp_path: Pa
     assert summary.reclaimed == {"accounts": 1}
 
 
-def fake_durability(app: Celery, interval: float, sem: DurabilitySemaphore) -> Any:
-    settings = DurabilitySettings(reclaim_interval=interval, queue_prefix="dtest")
+def fake_durability(app: Celery, interval: float, sem: DurabilitySemaphore,
+                    **more: Any) -> Any:
+    settings = DurabilitySettings(reclaim_interval=interval, queue_prefix="dtest", **more)
     return FakeDurability(app=app, settings=settings, semaphores={sem.name: sem},
                            control_queue="dtest.holder.control")
 
@@ -117,6 +130,54 @@ def test_install_schedules_reclaim_on_control_queue_with_expiry(clocked: Any) ->
     assert beat_schedule(durability)[SCHEDULE_NAME]["options"] == entry["options"]
     # the task body is reclaim_due over the app's semaphores
     assert app.tasks[RECLAIM_TASK]() == {"reclaimed": {"accounts": 0}, "failed": {}}
+
+
+def test_prune_is_scheduled_only_with_prune_after_and_prunes_idle_keys(clocked: Any) -> None:
+    sem, clock = clocked
+    [reply] = sem.run_round("done", [request_msg("accounts", "done", 1)])
+    report = request_msg("accounts", "done", 0)
+    report["demand"] = []
+    report["grants"] = [{"grant_id": reply["grants"][0]["grant_id"], "claimed": 1,
+                         "released": 1}]
+    sem.run_round("done", [report])
+    sem.run_round("busy", [request_msg("accounts", "busy", 1)])
+    off = Celery("off", broker="memory://", set_as_current=False)
+    install(fake_durability(off, 7.5, sem))
+    off.loader.import_default_modules()
+    assert PRUNE_TASK not in off.tasks and PRUNE_SCHEDULE_NAME not in off.conf.beat_schedule
+
+    app = Celery("t", broker="memory://", set_as_current=False)
+    durability = fake_durability(app, 7.5, sem, prune_after=600.0, prune_interval=300.0)
+    install(durability)
+    app.loader.import_default_modules()
+    entry = app.conf.beat_schedule[PRUNE_SCHEDULE_NAME]
+    assert entry["task"] == PRUNE_TASK and entry["schedule"] == 300.0
+    assert entry["options"] == {"queue": "dtest.holder.control", "expires": 300.0,
+                                "ignore_result": True}
+    assert beat_schedule(durability)[PRUNE_SCHEDULE_NAME]["options"] == entry["options"]
+    assert app.tasks[PRUNE_TASK]() == {"accounts": 0}  # not idle for 600 s yet
+    clock.now += 601
+    assert app.tasks[PRUNE_TASK]() == {"accounts": 1}
+    assert sem.keys() == ["busy"]
+
+
+def test_a_failing_semaphore_does_not_stop_pruning_the_others(clocked: Any,
+                                                              tmp_path: Path) -> None:
+    sem, clock = clocked
+    broken = DurabilitySemaphore("broken", database=f"sqlite:///{tmp_path / 'none.db'}", limit=1)
+    sem.run_round("k", [{**request_msg("accounts", "k", 0), "demand": []}])
+    clock.now += 100
+    assert prune_idle([broken, sem], 60.0) == {"accounts": 1}  # `broken` has no schema
+
+
+def test_prune_after_below_a_round_period_is_refused(tmp_path: Path) -> None:
+    app = Celery("t", broker="memory://", set_as_current=False)
+    sem = DurabilitySemaphore("slow", database=f"sqlite:///{tmp_path / 'x.db'}", limit=1,
+                              round_period=30.0)
+    with pytest.raises(ConfigurationError, match="prune_after"):
+        Durability(app, [sem], settings=DurabilitySettings(prune_after=10.0))
+    with pytest.raises(ConfigurationError, match="prune_after"):
+        DurabilitySettings(prune_after=0)
 
 
 @pytest.mark.integration
