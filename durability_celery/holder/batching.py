@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,8 +91,8 @@ class Batcher:
         slot = self._slots.setdefault(key_id, _Slot())
         slot.waiting.append(request)
         self._waiting += 1
-        if len(slot.waiting) == 1 and not slot.busy:
-            self._wake(key_id, slot, self._round_at(key_id, slot))
+        if not slot.busy:
+            self._reschedule(key_id, slot)
 
     def set_alarm(self, key_id: KeyId, deadline: float) -> None:
         """Follow `deadline` if it is earlier than the alarm already set for the key."""
@@ -99,14 +100,14 @@ class Batcher:
         if slot.alarm_at is None or deadline < slot.alarm_at:
             slot.alarm_at = deadline
             if not slot.busy:
-                self._wake(key_id, slot, deadline)
+                self._reschedule(key_id, slot)
 
     def replace_alarm(self, key_id: KeyId, deadline: float | None, *, now: float) -> None:
         """After a reclaim the store knows the key's next deadline: follow exactly that."""
         slot = self._slots.setdefault(key_id, _Slot())
         slot.alarm_at = None if deadline is None else max(deadline, now + ALARM_MIN_DELAY)
         if not slot.busy:
-            self._wake(key_id, slot, now if slot.alarm_at is None else slot.alarm_at)
+            self._reschedule(key_id, slot)
 
     def round_at(self, key_id: KeyId) -> float | None:
         """When the waiting requests of `key_id` get their round (None: nothing waits)."""
@@ -170,26 +171,26 @@ class Batcher:
         return None
 
     def _reschedule(self, key_id: KeyId, slot: _Slot) -> None:
-        """Wake the slot (not busy) when its next thing is due: its round, its alarm, or,
-        with nothing pending, when it may be forgotten."""
+        """Keep the rule of `_Slot.wake_at` for a slot that is not busy: wake it when its
+        next thing is due (its round, its alarm) or, with nothing pending, when it may be
+        forgotten. Called after anything that may make that time earlier."""
         times = []
         if slot.waiting:
             times.append(self._round_at(key_id, slot))
         if slot.alarm_at is not None:
             times.append(slot.alarm_at)
-        if not times:  # forgotten when woken: now, or once its period no longer spaces
-            last = slot.last_round_at
-            times.append(0.0 if last is None else last + self._timing(key_id[0])[1])
-        self._wake(key_id, slot, min(times))
+        self._wake(key_id, slot, min(times) if times else self._forget_at(key_id, slot))
 
-    def _forgettable(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
+    def _forget_at(self, key_id: KeyId, slot: _Slot) -> float:
         # A slot with nothing pending is kept only while its last round still
         # spaces the next one; after that it carries no information.
+        last = slot.last_round_at
+        return -math.inf if last is None else last + self._timing(key_id[0])[1]
+
+    def _forgettable(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
         if slot.waiting or slot.alarm_at is not None:
             return False
-        if slot.last_round_at is None:
-            return True
-        return now >= slot.last_round_at + self._timing(key_id[0])[1]
+        return now >= self._forget_at(key_id, slot)
 
     def finished(self, key_id: KeyId, *, round_at: float | None = None) -> None:
         """The key's job ended (committed or failed): it may run the next one.
