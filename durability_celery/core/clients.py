@@ -14,12 +14,24 @@ def holders(state: KeyState) -> set[str]:
     return {g.client_id for g in state.grants} | {le.client_id for le in state.leases}
 
 
+SEEN_RESOLUTION = 5.0
+"""Seconds a client's last-seen stamp may lag: a client heard again sooner keeps it.
+Reconciliation, its only reader, needs no finer (reconcile_after is at least 10 s, and
+a client heard every round_period is never staler than this plus that). Restamped
+every round, a key's clients row was rewritten by each report round; now about one
+in three at the default round_period of 2 s (a probe of report rounds on PostgreSQL:
+6.42 statements per round before, 5.75 after)."""
+
+
 def mark_seen(state: KeyState, heard: set[str], now: float) -> KeyState:
-    """Stamp the clients heard from this round; keep only clients that still hold something."""
+    """Stamp the clients heard from this round (see SEEN_RESOLUTION); keep only clients
+    that still hold something."""
     holding = holders(state)
     seen = {c.client_id: c.last_seen_at for c in state.clients}
     for client_id in heard:
-        seen[client_id] = now
+        stamp = seen.get(client_id)
+        if stamp is None or now - stamp >= SEEN_RESOLUTION:
+            seen[client_id] = now
     clients = tuple(
         ClientSeen(client_id, at) for client_id, at in sorted(seen.items()) if client_id in holding
     )

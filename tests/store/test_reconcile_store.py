@@ -9,9 +9,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "core"))
 
+import sqlalchemy as sa
 from core_harness import KEY, Limits, request, sync
 
 from durability_celery import DurabilitySemaphore, Leases, Strict
+from durability_celery.core.clients import SEEN_RESOLUTION
 
 T0 = 10_000.0
 
@@ -90,6 +92,27 @@ def test_a_client_heard_from_again_is_not_forgotten(database_url: str) -> None:
     sem.run_round(KEY, [sync("a")], now=T0 + 59)  # came back between the scan and the settle
     assert sem.forget_client(KEY, "a", silent_for=30, now=T0 + 60) is None
     assert sem.usage(KEY, now=T0 + 60).leases == 1  # its lease still counts
+
+
+def test_a_client_heard_again_soon_keeps_its_stamp_and_its_row(database_url: str) -> None:
+    """Within SEEN_RESOLUTION a round does not rewrite a client's stamp; after it, it does."""
+    sem = semaphore(database_url)
+    hold(sem, "a", T0)  # a round and a report 0.5 s apart: one stamp
+    assert [(c.client_id, c.last_seen_at) for c in sem.state(KEY).clients] == [("a", T0)]
+    writes: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.split()[0].upper() in ("INSERT", "UPDATE", "DELETE"):
+            writes.append(statement)
+
+    sa.event.listen(sem.engine, "before_cursor_execute", record)
+    sem.run_round(KEY, [sync("a")], now=T0 + SEEN_RESOLUTION - 0.1)
+    assert writes and not [w for w in writes if "durability_semaphore_clients" in w]
+    assert sem.state(KEY).clients[0].last_seen_at == T0
+    writes.clear()
+    sem.run_round(KEY, [sync("a")], now=T0 + SEEN_RESOLUTION)
+    assert [w for w in writes if "durability_semaphore_clients" in w]
+    assert sem.state(KEY).clients[0].last_seen_at == T0 + SEEN_RESOLUTION
 
 
 def test_clients_holding_nothing_are_not_tracked(database_url: str) -> None:
