@@ -10,6 +10,7 @@ from typing import Any
 
 from .client import SemaphoreClient
 from .errors import ConfigurationError
+from .holder.batching import GATHER
 from .routing import control_queue, holder_queue, shard_for
 from .semaphore import DurabilitySemaphore
 from .settings import DurabilitySettings
@@ -81,10 +82,12 @@ class Durability:
                          clock: Callable[[], float] = time.time,
                          **options: Any) -> SemaphoreClient:
         """A client of semaphore `name` with these settings: lease support, the claim
-        margin of its grant_timeout, its lease idle time. `options` go to
-        SemaphoreClient (the worker gate adds handoff and capacity)."""
+        margin of its grant_timeout, its lease idle time, asking the holder's gathering
+        moment early (SemaphoreClient.ask_early). `options` go to SemaphoreClient (the
+        worker gate adds handoff and capacity)."""
         semaphore = self.semaphore(name)
         config, settings = semaphore.config, self.settings
+        options.setdefault("ask_early", min(GATHER, config.round_wait))
         return SemaphoreClient(
             name, client_id=client_id, supports_leases=settings.supports_leases,
             claim_margin=settings.claim_margin_for(config.grant_timeout),

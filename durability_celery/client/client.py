@@ -67,15 +67,17 @@ class SemaphoreClient:
                  handoff_window: float = 0.0, handoff_linger: float = 0.0,
                  capacity: int | None = None, lease_idle: float | None = None,
                  supersede_after: float | None = None, supersede_demand: bool = True,
+                 ask_early: float = 0.0,
                  clock: Callable[[], float] = time.time) -> None:
         if not isinstance(semaphore, str) or not semaphore:
             raise CallerError("semaphore must be a non-empty string")
         if not isinstance(client_id, str) or not client_id:
             raise CallerError("client_id must be a non-empty string")
         if (min(claim_margin, handoff_window, handoff_linger, lease_idle or 0.0,
-                supersede_after or 0.0) < 0 or request_timeout <= 0):
-            raise CallerError("claim_margin, handoff_window, handoff_linger, lease_idle and "
-                              "supersede_after must be >= 0 and request_timeout > 0")
+                supersede_after or 0.0, ask_early) < 0 or request_timeout <= 0):
+            raise CallerError("claim_margin, handoff_window, handoff_linger, lease_idle, "
+                              "supersede_after and ask_early must be >= 0 and "
+                              "request_timeout > 0")
         self._quiet: dict[str, float] = {}
         """key -> local time before which due() may pass the key by: not due, and nothing of
         it changes with time alone before then (see _quiet_until). Whatever changes a key
@@ -98,6 +100,14 @@ class SemaphoreClient:
         None: never (one message in flight per key, as in the spec). The holder holds a
         request up to round_wait, so news sent within it joins the same round; the
         holder takes each client's latest demand and highest reports of a round."""
+        self.ask_early = float(ask_early)
+        """Ask this long before a reply's next_request_at (as the receipt of the reply
+        places it). The holder holds a request that arrives after the key's last round
+        and before its next one until that round, and gathers the requests its replies
+        told to ask for only a moment (batching.GATHER) past the period's end: one that
+        arrives later waits a whole round_wait. Aimed at the moment itself, every delay
+        on the way (the reply's, the pump's timer, the broker's) counted against that
+        moment; aimed this much earlier, it has as much again in hand."""
         self.supersede_demand = bool(supersede_demand)
         """Count more demand as news (else only reports). Off where the semaphore issues
         leases: the lease a key's first round issues serves the rest of a burst, and
@@ -592,6 +602,7 @@ class SemaphoreClient:
                         superseded=superseded)
             return
         ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped,
+                     ask_early=self.ask_early,
                      superseded=superseded)
         if ledger.urgent:
             self._urgent.add(key)

@@ -246,7 +246,7 @@ class KeyLedger:
     # -- receiving -----------------------------------------------------------
 
     def apply(self, reply: Reply, *, now: float, supports_leases: bool, stopped: bool,
-              superseded: bool = False) -> None:
+              superseded: bool = False, ask_early: float = 0.0) -> None:
         """Fold a round's reply into the copies (also a late, repeated or reordered one).
 
         `superseded`: it answers the older message a newer one superseded; the
@@ -272,7 +272,7 @@ class KeyLedger:
             self.blocked = {b.group: b for b in reply.blocked}
             # Receipt time plus the holder's wait: a skewed holder clock cannot stall us.
             self.round_period = max(0.0, reply.next_request_at - reply.round_at)
-            self.next_request_at = now + self.round_period
+            self.next_request_at = now + max(0.0, self.round_period - ask_early)
         for grant in reply.grants:
             self._apply_grant(grant, reply.round_at, anchor, now)
         acked_stops = in_flight.stopped_leases if in_flight else frozenset()

@@ -4,9 +4,16 @@
 # grants, adoption from a reply, late replies, stop() and settled().
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from celery import Celery
+
+from durability_celery.app import Durability
 from durability_celery.client import SemaphoreClient
+from durability_celery.errors import CallerError
+from durability_celery.holder.batching import GATHER
+from durability_celery.semaphore import DurabilitySemaphore
 
 from .helpers import (
     KEY,
@@ -49,6 +56,37 @@ def test_next_request_at_is_honoured_for_demand() -> None:
     assert client.due() == []
     clock.advance(0.1)
     assert client.due() == [KEY]
+
+
+def test_ask_early_asks_that_long_before_next_request_at() -> None:
+    """The holder holds an early request until the round its replies told of, and gathers
+    the told ones only GATHER past it: aiming early leaves the way there that much."""
+    clock = FakeClock()
+    client = make_client(clock, ask_early=0.1)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 2, blocked=[
+        {"group": None, "reason": "limit", "queued": 1}]))
+    assert client.next_due_at() == pytest.approx(clock.now + 1.9)
+    clock.advance(1.89)
+    assert client.due() == []
+    clock.advance(0.01)
+    assert client.due() == [KEY]
+
+
+def test_ask_early_never_asks_before_the_reply_came() -> None:
+    clock = FakeClock()
+    client = make_client(clock, ask_early=5.0)  # more than the period: at once, no sooner
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 2))
+    assert client.next_due_at() == clock.now
+
+
+@pytest.mark.parametrize("bad", [-0.1, -1])
+def test_a_negative_ask_early_is_refused(bad: float) -> None:
+    with pytest.raises(CallerError, match="ask_early"):
+        make_client(FakeClock(), ask_early=bad)
 
 
 def test_next_request_at_is_relative_to_the_round_so_clock_skew_cannot_stall() -> None:
@@ -594,3 +632,16 @@ def test_client_without_lease_support_never_draws_from_a_lease() -> None:
         lease("l1", permits=4, expires_at=clock.now + 100)]))
     assert client.admit() == []
     assert lease_reports(client.message(KEY)) == {"l1": (0, 0, True)}
+
+
+@pytest.mark.parametrize(("round_wait", "early"), [(1.0, GATHER), (0.01, 0.01)])
+def test_clients_of_a_semaphore_ask_its_gathering_moment_early(
+        tmp_path: Path, round_wait: float, early: float) -> None:
+    app = Celery("timing_test", broker="memory://", set_as_current=False)
+    semaphore = DurabilitySemaphore("accounts", database=f"sqlite:///{tmp_path / 'd.db'}",
+                                    limit=3, round_wait=round_wait)
+    try:
+        client = Durability(app, [semaphore]).semaphore_client("accounts", client_id="w-1")
+        assert client.ask_early == early == min(GATHER, round_wait)
+    finally:
+        semaphore.close()

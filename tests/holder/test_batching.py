@@ -152,13 +152,22 @@ def test_a_round_goes_before_a_due_alarm_and_the_alarm_follows() -> None:
     assert job == Reclaim(K)
 
 
-def test_idle_keys_are_forgotten_after_their_period() -> None:
+def test_idle_keys_are_forgotten_after_their_period_and_gathering_moment() -> None:
     b = after_one_round()
     b.take_due(2.0)
     assert b.round_at(K) is None
-    b.take_due(3.0)
-    b.add(K, req(3.0, 2))
-    assert b.round_at(K) == 4.0  # the old last round no longer delays it
+    b.take_due(3.0 + GATHER)
+    b.add(K, req(3.0 + GATHER, 2))
+    assert b.round_at(K) == 4.0 + GATHER  # the old last round no longer delays it
+
+
+def test_an_idle_key_keeps_its_gathering_moment_for_the_requests_told_to_come() -> None:
+    # Nothing waited through the period (no report, no demand): the told requests
+    # arrive just after its end and still get their round GATHER after it.
+    b = after_one_round()
+    assert b.take_due(3.0) == []
+    b.add(K, req(3.004, 2))
+    assert b.round_at(K) == 3.0 + GATHER
 
 
 def test_drop_waiting_forgets_requests() -> None:
@@ -235,7 +244,7 @@ def test_finding_what_is_due_does_not_visit_every_key() -> None:
     assert len(asked) <= 2
     assert b.next_wake() == 101.0  # K is busy: the first of the others is next
     b.finished(K)
-    assert b.next_wake() == 50.0 + PERIOD  # K may be forgotten then
+    assert b.next_wake() == 50.0 + PERIOD + GATHER  # K may be forgotten then
     jobs = b.take_due(101.0 + 0.0005)  # and the first of the 10,000 is due
     assert [j.key_id for j in jobs] == [("jobs", "bulk-0")]
     assert len(asked) <= 6
