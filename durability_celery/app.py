@@ -10,7 +10,7 @@ from typing import Any
 
 from .client import SemaphoreClient
 from .errors import ConfigurationError
-from .holder.batching import GATHER
+from .holder.batching import gathering_moment
 from .routing import control_queue, holder_queue, shard_for
 from .semaphore import DurabilitySemaphore
 from .settings import DurabilitySettings
@@ -87,7 +87,7 @@ class Durability:
         worker gate adds handoff and capacity)."""
         semaphore = self.semaphore(name)
         config, settings = semaphore.config, self.settings
-        options.setdefault("ask_early", min(GATHER, config.round_wait))
+        options.setdefault("ask_early", gathering_moment(config.round_wait))
         return SemaphoreClient(
             name, client_id=client_id, supports_leases=settings.supports_leases,
             claim_margin=settings.claim_margin_for(config.grant_timeout),

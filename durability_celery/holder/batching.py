@@ -31,6 +31,17 @@ wait a whole period: measured, that made permits released by one worker reach
 another's queued work one period late."""
 
 
+def gathering_moment(round_wait: float) -> float:
+    """GATHER, at most round_wait: how long past a period's end its round waits for the
+    requests told to come then (and how early clients aim: SemaphoreClient.ask_early)."""
+    return min(GATHER, round_wait)
+
+
+def _told_at(last_round_at: float, round_wait: float, round_period: float) -> float:
+    """The moment a round's replies told its clients to make, gathering moment included."""
+    return last_round_at + round_period + gathering_moment(round_wait)
+
+
 @dataclass(frozen=True)
 class Waiting:
     """One request waiting for its key's next round, with where its answer goes."""
@@ -120,7 +131,7 @@ class Batcher:
         round_wait, round_period = self._timing(key_id[0])
         first = slot.waiting[0].arrived_at
         if slot.last_round_at is not None:
-            told = slot.last_round_at + round_period + min(GATHER, round_wait)
+            told = _told_at(slot.last_round_at, round_wait, round_period)
             if first < told:
                 # It waited for the period, and the clients the last round told to ask
                 # at its end are gathered by `told`. Holding it a full round_wait past
@@ -188,10 +199,7 @@ class Batcher:
         # told to come then: arriving a few milliseconds later, each found no slot and
         # waited a whole round_wait (rounds 1.6 s apart for 0.7 in a holder test).
         last = slot.last_round_at
-        if last is None:
-            return -math.inf
-        round_wait, round_period = self._timing(key_id[0])
-        return last + round_period + min(GATHER, round_wait)
+        return -math.inf if last is None else _told_at(last, *self._timing(key_id[0]))
 
     def _forgettable(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
         if slot.waiting or slot.alarm_at is not None:
