@@ -244,14 +244,22 @@ class SemaphoreClient:
               now: float) -> Permit | None:
         """A grant claim (claimed early, never near its deadline), else a permit kept idle
         since its item ended (it goes back to the holder if unused), else a lease draw:
-        the lease keeps its undrawn permits for the items no idle permit covers."""
-        self._changed(key)
+        the lease keeps its undrawn permits for the items no idle permit covers.
+
+        Only a claim or a draw changes what the key reports (_changed): reusing an idle
+        permit moves no count, and an idle permit's return is due()'s own business. Most
+        admissions of a busy key reuse one, so the key stays quiet for due()."""
         if ledger.grants:  # a key served by leases alone has none to claim from
             permit = self._claim(ledger, key, group, item_id, now)
             if permit is not None:
+                self._changed(key)
                 return permit
-        return (self._reuse_idle(key, group, item_id, now)
-                or self._draw(ledger, key, group, item_id, now))
+        permit = self._reuse_idle(key, group, item_id, now)
+        if permit is None:
+            permit = self._draw(ledger, key, group, item_id, now)
+            if permit is not None:
+                self._changed(key)
+        return permit
 
     def _claim(self, ledger: KeyLedger, key: str, group: str | None, item_id: str,
                now: float) -> Permit | None:
@@ -307,7 +315,6 @@ class SemaphoreClient:
         if permit is None:
             return None
         key = permit.key
-        self._changed(key)
         now = self._clock()
         groups = self._queues.get(key)
         queue = None if groups is None else groups.get(permit.group)
@@ -326,6 +333,10 @@ class SemaphoreClient:
             # next message only as a task ends, moments after its permit came free.
             until = min(self._linger_until(key, now), permit.since + self.handoff_window)
             if until > now:
+                # Kept idle, the permit moves no count (see _take), but it leaves the
+                # pool's room to the key's other groups: news if one of them waits.
+                if groups:
+                    self._changed(key)
                 slot = (key, permit.group)
                 idle = self._idle.get(slot)
                 if idle is None:
@@ -336,7 +347,7 @@ class SemaphoreClient:
                 self._give_back(permit)
             return None
         successor = queue[0][2]
-        self.cancel(successor)
+        self.cancel(successor)  # marks the key changed (_changed), as a release does
         passed = permit._replace(item_id=successor, handed_off=True)
         self._admitted[successor] = passed
         return passed
@@ -383,6 +394,8 @@ class SemaphoreClient:
         `key`: only that key's permits (a reply changes only its own key)."""
         for slot in [s for s in self._idle if key is None or s[0] == key]:
             idle = self._idle[slot]
+            if not recheck and idle[0][0] > now:
+                continue  # sorted by time: the head is the first to go back
             if recheck:
                 keep: list[tuple[float, Permit]] = []
                 gone: list[tuple[float, Permit]] = []
