@@ -36,6 +36,7 @@ KEYS = ("k1", "k2")
 GROUPS = (None, "g")
 MARGIN = 1.0
 GRANT_TIMEOUT = 6.0
+URGENCY = ("calm", "calm", "contended", "blocked")
 TTL = 100.0
 """Longer than a shutdown may take, so stop() (not expiry) must return the leases."""
 
@@ -123,7 +124,9 @@ class FakeHolder:
                 del self.leases[lid]  # never acknowledged: dropped like an unclaimed grant
 
     def answer(self, key: str, message: dict[str, Any], now: float, *,
-               contended: bool) -> dict[str, Any]:
+               urgency: str) -> dict[str, Any]:
+        """`urgency`: "calm", "contended" (unmet demand: the client returns idle leases)
+        or "blocked" (a group of the key refused: waited on, leases kept)."""
         grants = [
             {"grant_id": gid, "group": g.group, "permits": g.permits, "claimed": g.claimed,
              "released": g.released, "claim_deadline": g.deadline, "status": g.status}
@@ -141,8 +144,10 @@ class FakeHolder:
                     "released": 0, "expires_at": None, "status": "settled"}
                    for r in message["leases"] if r["lease_id"] not in live]
         return {"v": 1, "semaphore": SEM, "key": key, "round_at": now,
-                "next_request_at": now + 2.0, "contended": contended,
-                "grants": grants, "leases": leases, "blocked": []}
+                "next_request_at": now + 2.0, "contended": urgency == "contended",
+                "grants": grants, "leases": leases,
+                "blocked": ([{"group": "g", "reason": "limit", "queued": 1}]
+                            if urgency == "blocked" else [])}
 
 
 class _NoDraws:
@@ -178,7 +183,7 @@ class ClientMachine(RuleBasedStateMachine):
         for key in KEYS:
             for group in GROUPS:
                 self.enqueue(key, group, 10.0, 2)
-        self.roundtrip(data, contended=False)
+        self.roundtrip(data, urgency="calm")
         self.admit(None)
 
     # -- the client queue ----------------------------------------------------
@@ -206,29 +211,49 @@ class ClientMachine(RuleBasedStateMachine):
 
     @rule(limit=st.none() | st.integers(0, 3))
     def admit(self, limit: int | None) -> None:
-        now = self.clock.now
         for permit in self.client.admit(limit=limit):
             assert permit.item_id in self.queued, "admitted an item that is not queued"
-            assert permit.item_id not in self.ever_admitted, "admitted twice"
             assert (permit.key, permit.group) == self.queued.pop(permit.item_id)
-            self.ever_admitted.add(permit.item_id)
-            self.running[permit.item_id] = (permit.key, permit.group)
-            if permit.handed_off:
-                continue  # a permit kept idle since its item ended: used once already
-            self.used[permit.source_id] = self.used.get(permit.source_id, 0) + 1
-            if permit.source == "grant":
-                g = self.holder.grants.get(permit.source_id)
-                issued = g.issued if g else 0
-                assert g is not None and now < g.deadline - MARGIN, "claimed inside the margin"
-                assert g.status == "active", "claimed from a grant the holder reclaimed"
-            else:
-                le = self.holder.leases.get(permit.source_id)
-                assert le is not None, "drew from a lease the holder does not have (dropped)"
-                assert not le.confirmed, "drew from a confirmed lease"
-                assert le.drop_at is None or now < le.drop_at - MARGIN, (
-                    "drew from an unacknowledged lease inside the margin of its drop")
-                issued = le.permits
-            assert self.used[permit.source_id] <= issued, "more permits used than issued"
+            self.started(permit)
+
+    @rule(key=st.sampled_from(KEYS), group=st.sampled_from(GROUPS))
+    def arrive(self, key: str, group: str | None) -> None:
+        """A delivery as the gate takes it: started at once on a permit at hand
+        (admit_now), else queued."""
+        item = f"i{next(self.items)}"
+        permit = self.client.admit_now(key, group, item)
+        if permit is None:
+            assert self.client.enqueue(key, group, item, enqueued_at=self.clock.now)
+            self.queued[item] = (key, group)
+            return
+        assert (permit.item_id, permit.key, permit.group) == (item, key, group)
+        assert (key, group) not in self.queued.values(), "started ahead of older items"
+        self.started(permit)
+
+    def started(self, permit: Any) -> None:
+        now = self.clock.now
+        assert permit.item_id not in self.ever_admitted, "admitted twice"
+        self.ever_admitted.add(permit.item_id)
+        self.running[permit.item_id] = (permit.key, permit.group)
+        if not permit.handed_off:  # else kept idle since its item ended: used once already
+            self.check_use(permit, now)
+
+    def check_use(self, permit: Any, now: float) -> None:
+        """A claim or a draw: within what the holder issued, outside every margin."""
+        self.used[permit.source_id] = self.used.get(permit.source_id, 0) + 1
+        if permit.source == "grant":
+            g = self.holder.grants.get(permit.source_id)
+            issued = g.issued if g else 0
+            assert g is not None and now < g.deadline - MARGIN, "claimed inside the margin"
+            assert g.status == "active", "claimed from a grant the holder reclaimed"
+        else:
+            le = self.holder.leases.get(permit.source_id)
+            assert le is not None, "drew from a lease the holder does not have (dropped)"
+            assert not le.confirmed, "drew from a confirmed lease"
+            assert le.drop_at is None or now < le.drop_at - MARGIN, (
+                "drew from an unacknowledged lease inside the margin of its drop")
+            issued = le.permits
+        assert self.used[permit.source_id] <= issued, "more permits used than issued"
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -260,8 +285,8 @@ class ClientMachine(RuleBasedStateMachine):
         self.clock.advance(seconds)
         self.holder.tick(self.clock.now)
 
-    @rule(data=st.data(), contended=st.sampled_from([False, False, True]))
-    def send_due(self, data: st.DataObject, contended: bool) -> None:
+    @rule(data=st.data(), urgency=st.sampled_from(URGENCY))
+    def send_due(self, data: st.DataObject, urgency: str) -> None:
         now = self.clock.now
         for key in self.client.due():
             message = self.client.message(key)
@@ -271,13 +296,13 @@ class ClientMachine(RuleBasedStateMachine):
                 self.holder.issue(key, entry.group,
                                   data.draw(st.integers(0, entry.count)),
                                   data.draw(st.sampled_from([0, 1, 3])), now)
-            self.wire.append((key, self.holder.answer(key, message, now, contended=contended)))
+            self.wire.append((key, self.holder.answer(key, message, now, urgency=urgency)))
 
-    @rule(data=st.data(), contended=st.sampled_from([False, False, True]))
-    def roundtrip(self, data: st.DataObject, contended: bool) -> None:
+    @rule(data=st.data(), urgency=st.sampled_from(URGENCY))
+    def roundtrip(self, data: st.DataObject, urgency: str) -> None:
         """The common case: what is due is sent and answered at once, in order."""
         waiting = len(self.wire)
-        self.send_due(data, contended)
+        self.send_due(data, urgency)
         while len(self.wire) > waiting:
             key, response = self.wire.pop(waiting)
             self.client.on_response(key, response)
@@ -330,7 +355,7 @@ class ClientMachine(RuleBasedStateMachine):
         event(f"leases at shutdown: {min(leases, 2)}")
         self.client.stop()
         for _ in range(40):  # past request_timeout plus the longest backoff
-            self.roundtrip(_NO_DRAWS, contended=False)
+            self.roundtrip(_NO_DRAWS, urgency="calm")
             if self.client.settled():
                 break
             self.advance(1.0)
