@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks import measure
 from benchmarks.cluster import create_database, running, suite_config
-from benchmarks.plan import SEMAPHORES, Plan, make_plan
+from benchmarks.plan import SEMAPHORES, Plan, between_plain, customize, make_plan
 from benchmarks.report import RESULTS, machine, render_plots, render_text
 from benchmarks.scale import bench_scale
 from durability_celery import DurabilitySemaphore
@@ -35,13 +35,7 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                      log_dir=LOG_DIR, label=f"overhead-{pool}") as cluster:
             for keys in plan.overhead_keys:
                 for n in range(plan.overhead_passes):
-                    # The variants with targets run in every pass; the others, far from
-                    # any target or only for comparison, in the first (one-shot permits
-                    # wait a round per task, and most of their runs reach the time bound).
-                    others = (("diy", "leases_oneshot", "grants_oneshot", "leases_fast",
-                               "grants_fast") if n == 0 else ())
-                    rows += _throughputs(cluster, plan, pool, keys,
-                                         between_plain(("leases", "grants", *others)),
+                    rows += _throughputs(cluster, plan, pool, keys, plan.pass_variants(n),
                                          passage=n)
         if plan.raised_hold_keys:
             # Many keys on grants alone wait a round per held batch: this run shows what
@@ -65,17 +59,6 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                 rows += _throughputs(cluster, plan, "solo", 1,
                                      between_plain(("leases", "grants")), passage=n)
     return rows
-
-
-def between_plain(variants: tuple[str, ...]) -> tuple[str, ...]:
-    """Every variant between two plain runs: each is compared with the mean of the two
-    (report.py). This machine is shared and its speed drifts by up to a third within
-    minutes; with plain only first and last in a pass, one cell moved by up to 0.23
-    between two runs of near-identical code."""
-    order = ["plain"]
-    for variant in variants:
-        order += [variant, "plain"]
-    return tuple(order)
 
 
 def _throughputs(cluster: Any, plan: Plan, pool: str, keys: int, variants: tuple[str, ...],
@@ -126,8 +109,19 @@ def main() -> None:
                         "overhead,contention,scale")
     parser.add_argument("--keep", action="store_true", help="keep the skipped sections' "
                         "figures from the last results file, marked with that run's time")
+    parser.add_argument("--passes", type=int, help="overhead passes per pool and key "
+                        "count (default 5); results go to results-custom.* files")
+    parser.add_argument("--pools", help="comma list of overhead pools: threads,prefork,solo "
+                        "(default threads and prefork, then solo); results-custom.* files")
+    parser.add_argument("--targets-only", action="store_true", help="overhead: only the "
+                        "variants with targets (no DIY, one-shot, fast rounds, raised hold)")
     options = parser.parse_args()
-    plan = make_plan(options.quick)
+    pools = None if options.pools is None else tuple(filter(None, options.pools.split(",")))
+    try:
+        plan = customize(make_plan(options.quick), passes=options.passes, pools=pools,
+                         targets_only=options.targets_only)
+    except ValueError as exc:
+        parser.error(str(exc))
     skip = set(filter(None, options.skip.split(",")))
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -163,8 +157,7 @@ SECTIONS = {"overhead": ("overhead",), "contention": ("utilization", "latency"),
 
 def keep_skipped(results: dict[str, Any], plan: Plan, skip: set[str]) -> None:
     """Copy the skipped sections from the last results file, saying which run they are from."""
-    suffix = "-quick" if plan.quick else ""
-    path = RESULTS / f"results{suffix}.json"
+    path = RESULTS / f"results{plan.suffix}.json"
     if not path.exists():
         return
     last = json.loads(path.read_text())
@@ -178,8 +171,9 @@ def keep_skipped(results: dict[str, Any], plan: Plan, skip: set[str]) -> None:
 
 
 def finish(results: dict[str, Any], plan: Plan) -> None:
-    # a --quick run never overwrites the full run's files that docs/benchmarks.md shows
-    suffix = "-quick" if plan.quick else ""
+    # a --quick or narrowed run never overwrites the full run's files that
+    # docs/benchmarks.md shows
+    suffix = plan.suffix
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
     text = render_text(results, plan)

@@ -4,7 +4,7 @@
 # under about two minutes, the full run under about half an hour on 2 cores.
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 DEFAULT = {"round_wait": 1.0, "round_period": 2.0}  # the semaphore's defaults
@@ -64,6 +64,26 @@ class Plan:
     latency_spacing: float = 0.05
     scale_keys: int = 10_000
     scale_seconds: float = 8.0
+    custom: bool = False
+    """Passes, pools or variants narrowed on the command line (`customize`): written to
+    files of its own, never over the full run's that docs/benchmarks.md shows."""
+    others: bool = True
+    """Run the variants without a target (DIY counter, one-shot permits, fast rounds) in
+    the first pass, and the raised-hold run; off for a run that only needs the targets."""
+
+    @property
+    def suffix(self) -> str:
+        """Of the results and plot files: the full run's have none."""
+        return "-quick" if self.quick else "-custom" if self.custom else ""
+
+    def pass_variants(self, passage: int) -> tuple[str, ...]:
+        """The variants of one overhead pass, each between two plain runs: the ones with
+        targets in every pass; the others, far from any target or only for comparison,
+        in the first (one-shot permits wait a round per task, and most of their runs
+        reach the time bound)."""
+        others = (("diy", "leases_oneshot", "grants_oneshot", "leases_fast", "grants_fast")
+                  if passage == 0 and self.others else ())
+        return between_plain(("leases", "grants", *others))
 
     def overhead_warm(self, keys: int) -> int:
         """Unmeasured tasks per key before each overhead run: a pool's worth in all, so
@@ -78,6 +98,48 @@ class Plan:
         """Feeding time added before the measured window, for the first grant to arrive."""
         spec = SEMAPHORES.get(variant)
         return 0.5 if spec is None else spec["round_wait"] + 1.0
+
+
+OVERHEAD_POOLS = ("threads", "prefork", "solo")
+MAX_PASSES = 50
+
+
+def between_plain(variants: tuple[str, ...]) -> tuple[str, ...]:
+    """Every variant between two plain runs: each is compared with the mean of the two
+    (report.py). This machine is shared and its speed drifts by up to a third within
+    minutes; with plain only first and last in a pass, one cell moved by up to 0.23
+    between two runs of near-identical code."""
+    order = ["plain"]
+    for variant in variants:
+        order += [variant, "plain"]
+    return tuple(order)
+
+
+def customize(plan: Plan, *, passes: int | None = None, pools: tuple[str, ...] | None = None,
+              targets_only: bool = False) -> Plan:
+    """Narrow the overhead section for a longer look at fewer cells (say 12 passes of
+    threads alone: a cell's median then moves less than the five passes' +-0.05).
+    Raises ValueError on a count or pool it cannot run."""
+    if passes is None and pools is None and not targets_only:
+        return plan
+    changes: dict[str, Any] = {"custom": True}
+    if passes is not None:
+        if not 1 <= passes <= MAX_PASSES:
+            raise ValueError(f"passes must be 1 to {MAX_PASSES}, got {passes}")
+        changes["overhead_passes"] = passes
+    if pools is not None:
+        unknown = sorted(set(pools) - set(OVERHEAD_POOLS))
+        if unknown or not pools:
+            raise ValueError(f"pools must be some of {', '.join(OVERHEAD_POOLS)}, "
+                             f"got {', '.join(pools) or 'none'}")
+        changes["overhead_pools"] = tuple(p for p in ("threads", "prefork") if p in pools)
+        if "solo" not in pools:
+            changes["solo_passes"] = 0
+        elif passes is not None:
+            changes["solo_passes"] = passes
+    if targets_only:
+        changes.update(others=False, raised_hold_keys=0)
+    return replace(plan, **changes)
 
 
 def make_plan(quick: bool) -> Plan:

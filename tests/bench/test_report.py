@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.__main__ import between_plain
-from benchmarks.plan import make_plan
+from benchmarks.plan import between_plain, make_plan
 from benchmarks.report import overhead_cells, render_text
 
 
