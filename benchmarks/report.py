@@ -200,9 +200,15 @@ def render_text(results: dict[str, Any], plan: Plan) -> str:
             *(f"section {field}: kept from the run of {kept['utc']} ({kept['command']})"
               for field, kept in results.get("kept", {}).items()),
             ""]
-    body = [*_overhead(results), "", *_utilization(results), "", *_latency(results), "",
-            *_scale(results)]
-    return "\n".join(head + body) + "\n"
+    # A section the run skipped (and did not --keep) is left out, not printed empty:
+    # "settings reaching >= 0.95: none" under no rows would read as a result.
+    sections = [(_overhead, "overhead"), (_utilization, "utilization"),
+                (_latency, "latency"), (_scale, "scale")]
+    body: list[str] = []
+    for render, field in sections:
+        if results.get(field):
+            body += [*render(results), ""]
+    return "\n".join(head + body).rstrip("\n") + "\n"
 
 
 def render_plots(results: dict[str, Any], *, suffix: str = "") -> list[Path]:

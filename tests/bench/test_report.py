@@ -74,3 +74,15 @@ def test_solo_rows_are_shown_without_a_target() -> None:
     solo = next(line for line in text.splitlines() if line.strip().startswith("solo")
                 and "leases" in line)
     assert "0.900" in solo and "met" not in solo
+
+
+def test_a_section_the_run_skipped_is_left_out_not_printed_empty() -> None:
+    rows = [row("plain", 1000), row("leases", 960), row("plain", 1000)]
+    machine = {"utc": "2026-12-01 00:00:00 UTC", "nproc": 2, "ram_gb": 24, "python": "3.11",
+               "celery": "5.7.0", "kombu": "5.7.0", "redis": ["v=7"], "postgresql": "15",
+               "loadavg": [0.0, 0.0, 0.0]}
+    text = render_text({"overhead": rows, "machine_before": machine, "machine_after": machine,
+                        "command": "test", "seconds": 1.0}, make_plan(False))
+    assert "1. Overhead" in text
+    assert "2. Utilization" not in text and "settings reaching" not in text
+    assert "3. Admission latency" not in text
