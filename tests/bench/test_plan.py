@@ -10,11 +10,17 @@ from benchmarks.plan import customize, make_plan
 def test_the_full_plan_runs_every_variant_in_its_first_pass_and_the_targets_after() -> None:
     plan = make_plan(False)
     assert plan.suffix == ""
-    first, later = plan.pass_variants(0), plan.pass_variants(1)
+    first, later = plan.pass_variants(0), plan.pass_variants(2)
     assert later == ("plain", "leases", "plain", "grants", "plain")
     assert set(first) - set(later) == {"diy", "leases_oneshot", "grants_oneshot",
                                        "leases_fast", "grants_fast"}
     assert first[::2] == ("plain",) * (len(first) // 2 + 1)  # every run between two plain
+
+
+def test_the_variants_with_targets_take_turns_going_first() -> None:
+    plan = make_plan(False)
+    assert [plan.pass_variants(n)[1] for n in range(4)] == ["leases", "grants"] * 2
+    assert plan.pass_variants(1) == ("plain", "grants", "plain", "leases", "plain")
 
 
 def test_no_option_changes_nothing() -> None:
