@@ -246,20 +246,16 @@ class SemaphoreClient:
         since its item ended (it goes back to the holder if unused), else a lease draw:
         the lease keeps its undrawn permits for the items no idle permit covers.
 
-        Only a claim or a draw changes what the key reports (_changed): reusing an idle
-        permit moves no count, and an idle permit's return is due()'s own business. Most
-        admissions of a busy key reuse one, so the key stays quiet for due()."""
+        Only a claim or a draw changes what the key reports, and each marks the key
+        (_changed) as _give_back does: reusing an idle permit moves no count, and an idle
+        permit's return is due()'s own business. Most admissions of a busy key reuse one,
+        so the key stays quiet for due()."""
         if ledger.grants:  # a key served by leases alone has none to claim from
             permit = self._claim(ledger, key, group, item_id, now)
             if permit is not None:
-                self._changed(key)
                 return permit
-        permit = self._reuse_idle(key, group, item_id, now)
-        if permit is None:
-            permit = self._draw(ledger, key, group, item_id, now)
-            if permit is not None:
-                self._changed(key)
-        return permit
+        return (self._reuse_idle(key, group, item_id, now)
+                or self._draw(ledger, key, group, item_id, now))
 
     def _claim(self, ledger: KeyLedger, key: str, group: str | None, item_id: str,
                now: float) -> Permit | None:
@@ -269,6 +265,7 @@ class SemaphoreClient:
             return None
         grant = min(grants, key=lambda g: g.claim_deadline)
         grant.claimed += 1
+        self._changed(key)
         return Permit._make((item_id, key, group, "grant", grant.grant_id, now, False))
 
     def _reuse_idle(self, key: str, group: str | None, item_id: str,
@@ -297,6 +294,7 @@ class SemaphoreClient:
         lease = min(leases, key=lambda le: le.expires_at)
         lease.drawn += 1  # one-shot: releasing never makes it drawable again
         lease.last_used = now
+        self._changed(key)
         return Permit._make((item_id, key, group, "lease", lease.lease_id, now, False))
 
     def pass_on(self, item_id: str) -> Permit | None:
