@@ -46,7 +46,7 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                          log_dir=LOG_DIR, label=f"overhead-{pool}-held{held}") as cluster:
                 for n in range(plan.overhead_passes):
                     rows += _throughputs(cluster, plan, pool, plan.raised_hold_keys,
-                                         between_plain(("grants", "leases")),
+                                         between_plain(plan.targets(n)),
                                          max_held=held, passage=n)
     if plan.solo_passes:
         # solo runs each task inline on the event loop, one at a time, so its prefetch
@@ -57,7 +57,7 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                      label="overhead-solo") as cluster:
             for n in range(plan.solo_passes):
                 rows += _throughputs(cluster, plan, "solo", 1,
-                                     between_plain(("leases", "grants")), passage=n)
+                                     between_plain(plan.targets(n)), passage=n)
     return rows
 
 

@@ -86,10 +86,16 @@ class Plan:
         passes of threads over 16 keys gave leases 0.929 and grants 0.956 (means); with
         grants always first, leases 0.958 and grants 0.934: over 16 keys the first of the
         two lost about 2.5 points to its place alone (over one key, no such effect)."""
-        targets = ("leases", "grants") if passage % 2 == 0 else ("grants", "leases")
         others = (("diy", "leases_oneshot", "grants_oneshot", "leases_fast", "grants_fast")
                   if passage == 0 and self.others else ())
-        return between_plain((*targets, *others))
+        return between_plain((*self.targets(passage), *others))
+
+    @staticmethod
+    def targets(passage: int) -> tuple[str, str]:
+        """The two variants with targets, in the order of this pass (they take turns going
+        first; see pass_variants). Every overhead pass orders them so: the main runs', the
+        raised-hold run's and solo's."""
+        return ("leases", "grants") if passage % 2 == 0 else ("grants", "leases")
 
     def overhead_warm(self, keys: int) -> int:
         """Unmeasured tasks per key before each overhead run: a pool's worth in all, so

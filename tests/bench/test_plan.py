@@ -21,6 +21,7 @@ def test_the_variants_with_targets_take_turns_going_first() -> None:
     plan = make_plan(False)
     assert [plan.pass_variants(n)[1] for n in range(4)] == ["leases", "grants"] * 2
     assert plan.pass_variants(1) == ("plain", "grants", "plain", "leases", "plain")
+    assert [plan.targets(n) for n in range(2)] == [("leases", "grants"), ("grants", "leases")]
 
 
 def test_no_option_changes_nothing() -> None:
