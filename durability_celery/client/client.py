@@ -276,13 +276,16 @@ class SemaphoreClient:
             # The most recently kept one: taking the oldest would renew every kept permit
             # in turn, so a worker with more than its arrivals need would never give the
             # surplus back (measured: 8 of 20 idle for 17 s while another worker waited).
-            _, kept = idle.pop()
+            until, kept = idle.pop()
             if not idle:
                 del self._idle[slot]
-            if self._may_pass_on(kept, now):
+            # Its time is all there is to check: `until` is within what _pass_on_until
+            # allowed when it was kept, and whatever else may end that (a reply, stopping)
+            # gives such permits back at once (_release_idle's recheck).
+            if now < until:
                 return Permit._make((item_id, kept.key, kept.group, kept.source,
                                      kept.source_id, kept.since, True))
-            self._give_back(kept)  # its lease or grant went while it waited
+            self._give_back(kept)  # its time ran out while it waited
         return None
 
     def _draw(self, ledger: KeyLedger, key: str, group: str | None, item_id: str,
@@ -309,46 +312,46 @@ class SemaphoreClient:
         how long another client's older work can wait behind this client's
         younger work. Returns the successor's permit, None if released (or unknown).
         """
-        permit = self._admitted.get(item_id)
+        permit = self._admitted.pop(item_id, None)
         if permit is None:
             return None
         key = permit.key
         now = self._clock()
+        usable_until = self._pass_on_until(permit, now)
         groups = self._queues.get(key)
-        queue = None if groups is None else groups.get(permit.group)
-        if not self._may_pass_on(permit, now) or (queue and self._claimable(permit, now)):
+        queue = groups.get(permit.group) if groups else None
+        if queue:
             # With a fresh grant permit at hand, the queued item claims that one now:
             # left unclaimed behind a chain it would be claimed late, near its claim
             # deadline, where one lost report lets the holder reclaim it while it runs.
-            self.release(item_id)
-            return None
-        del self._admitted[item_id]
-        if not queue:
-            # Nothing queued yet: the next item of this key and group often arrives
-            # within moments (its producer is waiting on the one that just ended), and
-            # a released permit would come back no sooner than the next round anyway.
-            # This holds when others wait too: a worker whose pool is full fetches the
-            # next message only as a task ends, moments after its permit came free.
-            until = min(self._linger_until(key, now), permit.since + self.handoff_window)
-            if until > now:
-                # Kept idle, the permit moves no count (see _take), but it leaves the
-                # pool's room to the key's other groups: news if one of them waits.
-                if groups:
-                    self._changed(key)
-                slot = (key, permit.group)
-                idle = self._idle.get(slot)
-                if idle is None:
-                    self._idle[slot] = [(until, permit)]
-                else:
-                    bisect.insort(idle, (until, permit), key=_UNTIL)
-            else:
+            if now >= usable_until or self._claimable(permit, now):
                 self._give_back(permit)
+                return None
+            successor = queue[0][2]
+            self.cancel(successor)  # marks the key changed (_changed), as a release does
+            passed = permit._replace(item_id=successor, handed_off=True)
+            self._admitted[successor] = passed
+            return passed
+        # Nothing queued yet: the next item of this key and group often arrives within
+        # moments (its producer is waiting on the one that just ended), and a released
+        # permit would come back no sooner than the next round anyway. This holds when
+        # others wait too: a worker whose pool is full fetches the next message only as
+        # a task ends, moments after its permit came free.
+        until = min(self._linger_until(key, now), usable_until)
+        if until <= now:
+            self._give_back(permit)
             return None
-        successor = queue[0][2]
-        self.cancel(successor)  # marks the key changed (_changed), as a release does
-        passed = permit._replace(item_id=successor, handed_off=True)
-        self._admitted[successor] = passed
-        return passed
+        # Kept idle, the permit moves no count (see _take), but it leaves the pool's room
+        # to the key's other groups: news if one of them waits.
+        if groups:
+            self._changed(key)
+        slot = (key, permit.group)
+        idle = self._idle.get(slot)
+        if idle is None:
+            self._idle[slot] = [(until, permit)]
+        else:
+            bisect.insort(idle, (until, permit), key=_UNTIL)
+        return None
 
     def _linger_until(self, key: str, now: float) -> float:
         """When a permit kept idle at `now` goes back: handoff_linger later, or, while
@@ -365,19 +368,27 @@ class SemaphoreClient:
         return now + self.handoff_linger
 
     def _may_pass_on(self, permit: Permit, now: float) -> bool:
-        if self._stopped or now - permit.since >= self.handoff_window:
-            return False
+        return now < self._pass_on_until(permit, now)
+
+    def _pass_on_until(self, permit: Permit, now: float) -> float:
+        """The local time until which `permit` may pass on to another item, as things
+        stand (-inf: it may not). Only time, a reply of its key and stopping change the
+        answer; a permit kept idle is kept no later than this (see _reuse_idle)."""
+        if self._stopped:
+            return -math.inf
         ledger = self._ledgers.get(permit.key)
         if ledger is None or ledger.over_limit:
-            return False  # a lowered limit bites as running items end, not a window later
+            return -math.inf  # a lowered limit bites as running items end, not a window later
+        until = permit.since + self.handoff_window
         if permit.source == "lease":
             # Retired or expired: the holder wants the capacity back; its running items
             # just finish. A lease we stopped ourselves (others wait and nothing was
             # queued here) gave back its undrawn permits; drawn ones go on like grants.
             lease = ledger.leases.get(permit.source_id)
-            return (lease is not None and not lease.retired
-                    and now < lease.usable_until(self.claim_margin))
-        return permit.source_id in ledger.grants
+            if lease is None or lease.retired:
+                return -math.inf
+            return min(until, lease.usable_until(self.claim_margin))
+        return until if permit.source_id in ledger.grants else -math.inf
 
     def _claimable(self, permit: Permit, now: float) -> bool:
         ledger = self._ledgers[permit.key]

@@ -377,6 +377,31 @@ def test_an_idle_permit_whose_lease_expired_meanwhile_goes_back_instead_of_runni
     assert lease_reports(client.message(KEY))["L1"][:2] == (1, 1), "drawn once, released"
 
 
+def test_an_idle_lease_permit_is_kept_no_longer_than_its_lease_may_pass_it_on() -> None:
+    # Its time to go back is the earlier of the linger and the lease's local expiry: an
+    # arrival then checks only that time (SemaphoreClient._reuse_idle), and the pump
+    # gives it back as soon as it can no longer run anything.
+    clock = FakeClock()
+    client = leased(clock, permits=2, expires_in=10.0, linger=30.0)
+    assert client.pass_on("t0") is None
+    clock.advance(9.5)
+    client.due()
+    assert lease_reports(client.message(KEY))["L1"][:2] == (1, 0), "still kept"
+    clock.advance(0.5)
+    client.due()  # the pump's tick at the lease's local expiry
+    assert lease_reports(client.message(KEY))["L1"][:2] == (1, 1), "given back"
+
+
+def test_an_idle_permit_past_its_time_goes_back_and_the_arrival_draws_afresh() -> None:
+    clock = FakeClock()
+    client = leased(clock, permits=3, linger=1.0)
+    assert client.pass_on("t0") is None
+    clock.advance(1.0)  # no pump in between: the arrival finds the kept permit expired
+    permit = client.admit_now(KEY, None, "next")
+    assert permit is not None and not permit.handed_off, "a new draw, not the kept permit"
+    assert lease_reports(client.message(KEY))["L1"][:2] == (2, 1)
+
+
 def test_with_handoff_demand_asks_for_no_more_than_the_pool_can_run() -> None:
     clock = FakeClock()
     queued = [(None, f"q{i}", 10.0 + i) for i in range(8)]
