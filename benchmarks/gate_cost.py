@@ -8,8 +8,11 @@
 # elsewhere in the worker. With --cold, the free-slot path also runs with the
 # caches cold before each call, as in a worker, where Celery's own work runs
 # between one admission and the next: that costs several times the warm figure.
+# With --opcodes, each path's Python opcodes and calls per task: the same on
+# every machine and every run, so a change of the per-task code shows there
+# even where the machine's noise hides it in times.
 #
-#   python -m benchmarks.gate_cost [--tasks 20000] [--profile] [--cold]
+#   python -m benchmarks.gate_cost [--tasks 20000] [--profile] [--cold] [--opcodes]
 #
 # Needs no service. Prints microseconds per task (best of 5 runs; with --cold,
 # the median of 5 runs of 1,500, per call) and, with --profile, the top of a
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import itertools
 import pstats
 import random
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -197,6 +202,48 @@ def measure_cold(*, tasks: int = COLD_TASKS, runs: int = 5) -> None:
           f"{tasks}; the timer's own {timer:.1f} us taken off each)")
 
 
+OPCODE_TASKS = 2000
+
+
+def count_opcodes(call: Callable[[int], object], tasks: int) -> tuple[int, int]:
+    """Python opcodes and Python calls that `call(tasks)` runs (sys.settrace)."""
+    opcodes = calls = 0
+
+    def trace(frame: Any, event: str, _: Any) -> Any:
+        nonlocal opcodes, calls
+        if event == "call":
+            calls += 1
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            opcodes += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        call(tasks)
+    finally:
+        sys.settrace(None)
+    return opcodes, calls
+
+
+def measure_opcodes(tasks: int = OPCODE_TASKS) -> dict[str, tuple[float, float]]:
+    """Opcodes and calls per task of both paths, less what building the fake request
+    itself runs; printed, and returned by path."""
+    requests = count_opcodes(lambda n: [_Request() for _ in range(n)], tasks)
+    free = make_gate()
+    held, run_held = held_runner()
+    paths = {"a pool slot free": (free, run), "the pool full (held, then passed on)":
+             (held, run_held)}
+    figures = {}
+    for label, (gate, runner) in paths.items():
+        runner(gate, 200)  # past the first draw: the steady state
+        opcodes, calls = count_opcodes(functools.partial(runner, gate), tasks)
+        figures[label] = ((opcodes - requests[0]) / tasks, (calls - requests[1]) / tasks)
+        print(f"gate Python per admitted task, {label}: {figures[label][0]:.1f} opcodes, "
+              f"{figures[label][1]:.1f} calls (over {tasks} tasks)")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gate_cost",
                                      description=__doc__)
@@ -204,7 +251,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--cold", action="store_true",
                         help="also time the free-slot path with the caches cold (1 min)")
+    parser.add_argument("--opcodes", action="store_true",
+                        help="also count Python opcodes and calls per task (deterministic)")
     options = parser.parse_args()
+    if options.opcodes:
+        measure_opcodes()
     measure("a pool slot free", make_gate(), run, options)
     measure("the pool full (held, then passed on)", *held_runner(), options)
     if options.cold:

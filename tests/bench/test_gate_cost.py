@@ -7,7 +7,15 @@ import re
 
 import pytest
 
-from benchmarks.gate_cost import POOL, held_runner, make_gate, measure_cold, run
+from benchmarks.gate_cost import (
+    POOL,
+    count_opcodes,
+    held_runner,
+    make_gate,
+    measure_cold,
+    measure_opcodes,
+    run,
+)
 
 
 def test_with_a_slot_free_every_task_starts_at_once_on_its_lease() -> None:
@@ -36,3 +44,16 @@ def test_with_the_pool_full_every_task_is_held_then_passed_on() -> None:
     assert gate.state.admitted_from["lease"] == POOL  # the tasks that filled the pool
     assert len(gate.state.running) == POOL and gate.state.held == {}
     assert gate.state.raised == 0  # each hold's prefetch raise was taken back
+
+
+def test_opcode_counts_are_exact_and_the_held_path_runs_more() -> None:
+    def loop(n: int) -> None:
+        for _ in range(n):
+            pass
+
+    # The same call counts the same every time: the figure is not a timing.
+    assert count_opcodes(loop, 10) == count_opcodes(loop, 10)
+    assert count_opcodes(loop, 20)[0] > count_opcodes(loop, 10)[0]
+    figures = measure_opcodes(tasks=100)
+    free, held = figures["a pool slot free"], figures["the pool full (held, then passed on)"]
+    assert 0 < free[0] < held[0] and 0 < free[1] < held[1]
