@@ -144,7 +144,9 @@ def customize(plan: Plan, *, passes: int | None = None, pools: tuple[str, ...] |
         if unknown or not pools:
             raise ValueError(f"pools must be some of {', '.join(OVERHEAD_POOLS)}, "
                              f"got {', '.join(pools) or 'none'}")
-        changes["overhead_pools"] = tuple(p for p in ("threads", "prefork") if p in pools)
+        # solo has passes of its own (solo_passes), not a place among the main pools
+        changes["overhead_pools"] = tuple(p for p in OVERHEAD_POOLS
+                                          if p != "solo" and p in pools)
         if "solo" not in pools:
             changes["solo_passes"] = 0
         elif passes is not None:

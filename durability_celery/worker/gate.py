@@ -183,7 +183,7 @@ class Gate:
             state = self.state
             if self._ended:
                 self._release_ended()  # their slots and permits may serve this request
-            previous = state.held.pop(item, None) if state.held else None
+            previous = state.held.pop(item, None)
             if previous is not None:
                 # Redelivered while held: keep the newer delivery (the broker's
                 # unacked record now belongs to it) and restart its hold clock.
@@ -266,6 +266,7 @@ class Gate:
         headers = request.request_dict
         semaphore = headers.get(HEADER_SEMAPHORE)
         key = headers.get(HEADER_KEY)
+        enqueued_at = headers.get(HEADER_ENQUEUED_AT)
         if not isinstance(semaphore, str) or not isinstance(key, str):
             # Published without our headers (send_task by name from a producer
             # that lacks the task): recompute from the arguments.
@@ -282,11 +283,9 @@ class Gate:
             raise DurabilityError(f"unknown semaphore {semaphore!r} in task {request.id}")
         if group is not None and not isinstance(group, str):
             raise DurabilityError(f"group header of task {request.id} is not a str")
-        enqueued_at = headers.get(HEADER_ENQUEUED_AT)
-        if type(enqueued_at) is not float:  # what our publishers send: the rest is rare
-            enqueued_at = (float(enqueued_at) if isinstance(enqueued_at, int)
-                           and not isinstance(enqueued_at, bool) else self.clock())
-        return item_id(request, headers), semaphore, key, group, enqueued_at
+        if not isinstance(enqueued_at, int | float) or isinstance(enqueued_at, bool):
+            enqueued_at = self.clock()
+        return item_id(request, headers), semaphore, key, group, float(enqueued_at)
 
     def _refuse(self, request: Any, exc: Exception) -> None:
         """A request that can never be admitted: fail it loudly instead of running it ungated."""
