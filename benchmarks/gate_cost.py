@@ -1,9 +1,10 @@
 # The gate's own CPU per admitted task, in process: Gate.submit, the release
-# hook and the timer's pump every 32 tasks, with a lease in hand and five more
-# semaphores configured but unused (as in the overhead section's worker). Two
-# paths: a free pool slot (the task starts at once), and a full pool (the task
-# is held, and starts when an ending task passes its permit on: under load on
-# a threads pool, most tasks). A diagnostic, not a comparison: it says how much
+# hook and the timer's pump every 32 tasks, with a lease in hand (and the spent
+# grant of the key's first round) and five more semaphores configured but
+# unused (as in the overhead section's worker). Two paths: a free pool slot
+# (the task starts at once), and a full pool (the task is held, and starts when
+# an ending task passes its permit on: under load on a threads pool, most
+# tasks). A diagnostic, not a comparison: it says how much
 # of section 1's extra CPU per task is the gate's Python and how much is
 # elsewhere in the worker. With --cold, the free-slot path also runs with the
 # caches cold before each call, as in a worker, where Celery's own work runs
@@ -90,10 +91,14 @@ def make_gate(wakes: list[bool] | None = None) -> Gate:
     client.on_response(KEY, {
         "v": 1, "semaphore": SEMAPHORE, "key": KEY, "round_at": now,
         "next_request_at": now + 2.0, "contended": False, "over_limit": False, "blocked": [],
-        "grants": [], "leases": [{"lease_id": "L1", "group": None, "permits": 10**8,
-                                  "drawn": 0, "released": 0, "expires_at": now + 3600,
-                                  "status": "active"}]})
-    client.cancel("first")
+        "grants": [{"grant_id": "G1", "group": None, "permits": 1, "claimed": 0,
+                    "released": 0, "claim_deadline": now + 60, "status": "active"}],
+        "leases": [{"lease_id": "L1", "group": None, "permits": 10**8,
+                    "drawn": 0, "released": 0, "expires_at": now + 3600, "status": "active"}]})
+    # The first item claims the grant and ends: as in section 1's flood, where the first
+    # round's grant stays until the key's next sync acknowledges its release.
+    client.admit()
+    client.release("first")
     return Gate(clients, hooks, max_held=16, hold_deadline=1800.0)
 
 

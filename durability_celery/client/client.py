@@ -234,8 +234,8 @@ class SemaphoreClient:
         """Permits this client may start items of (key, group) on now, without the holder:
         claimable grant permits, drawable lease permits and permits kept idle."""
         ledger = self._ledgers[key]
-        held = sum(g.claimable(now, self.claim_margin) for g in ledger.grants.values()
-                   if g.group == group)
+        held = sum(g.claimable(now, self.claim_margin)
+                   for g in ledger.claimable_grants(group, now, self.claim_margin))
         held += sum(le.drawable(now, self.claim_margin) for le in ledger.leases.values()
                     if le.group == group)
         return held + len(self._idle.get((key, group), ()))
@@ -250,7 +250,7 @@ class SemaphoreClient:
         (_changed) as _give_back does: reusing an idle permit moves no count, and an idle
         permit's return is due()'s own business. Most admissions of a busy key reuse one,
         so the key stays quiet for due()."""
-        if ledger.grants:  # a key served by leases alone has none to claim from
+        if ledger.open_grants:  # none once the key's grants are spent
             permit = self._claim(ledger, key, group, item_id, now)
             if permit is not None:
                 return permit
@@ -259,8 +259,7 @@ class SemaphoreClient:
 
     def _claim(self, ledger: KeyLedger, key: str, group: str | None, item_id: str,
                now: float) -> Permit | None:
-        grants = [g for g in ledger.grants.values()
-                  if g.group == group and g.claimable(now, self.claim_margin)]
+        grants = ledger.claimable_grants(group, now, self.claim_margin)
         if not grants:
             return None
         grant = min(grants, key=lambda g: g.claim_deadline)
@@ -392,8 +391,7 @@ class SemaphoreClient:
 
     def _claimable(self, permit: Permit, now: float) -> bool:
         ledger = self._ledgers[permit.key]
-        return any(g.group == permit.group and g.claimable(now, self.claim_margin)
-                   for g in ledger.grants.values())
+        return bool(ledger.claimable_grants(permit.group, now, self.claim_margin))
 
     def _release_idle(self, now: float, *, recheck: bool = False,
                       key: str | None = None) -> None:

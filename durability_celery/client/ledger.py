@@ -165,6 +165,8 @@ class KeyLedger:
     """Everything one client knows about one key."""
 
     grants: dict[str, GrantCopy] = field(default_factory=dict)
+    open_grants: dict[str, GrantCopy] = field(default_factory=dict)
+    """The grants that may still have a permit to claim (see claimable_grants)."""
     leases: dict[str, LeaseCopy] = field(default_factory=dict)
     next_request_at: float = 0.0
     round_period: float = 0.0
@@ -303,7 +305,7 @@ class KeyLedger:
             # claims are reported released: the holder must not count them forever.
             copy = GrantCopy(view.grant_id, view.group, view.permits, deadline,
                              claimed=view.claimed, released=view.claimed)
-            self.grants[view.grant_id] = copy
+            self.grants[view.grant_id] = self.open_grants[view.grant_id] = copy
         copy.claim_deadline = min(copy.claim_deadline, deadline)
         copy.acked_claimed = max(copy.acked_claimed, view.claimed)
         copy.acked_released = max(copy.acked_released, view.released)
@@ -381,10 +383,33 @@ class KeyLedger:
         if view.status == "settled" and (report is None or report.released == report.drawn):
             grant.late_settled = True
 
+    # -- claiming ------------------------------------------------------------
+
+    def claimable_grants(self, group: str | None, now: float, margin: float) -> list[GrantCopy]:
+        """The grants of `group` with a permit to claim now.
+
+        A grant's claimable permits only ever fall (claims rise, permits shrink, its
+        deadline only comes earlier, expiry is final), so one found with none leaves
+        `open_grants` for good, and admissions stop looking at it. A spent grant stays
+        in `grants` until the holder acknowledges its releases, at the key's next sync:
+        in section 1's flood the first round's grant did for most of a run, and every
+        admission of the key looked it over."""
+        found: list[GrantCopy] = []
+        spent: list[str] = []
+        for grant in self.open_grants.values():
+            if not grant.claimable(now, margin):
+                spent.append(grant.grant_id)
+            elif grant.group == group:
+                found.append(grant)
+        for grant_id in spent:
+            del self.open_grants[grant_id]
+        return found
+
     # -- forgetting ----------------------------------------------------------
 
     def forget_grant(self, copy: GrantCopy, now: float) -> None:
         del self.grants[copy.grant_id]
+        self.open_grants.pop(copy.grant_id, None)
         # Past its claim deadline a re-adopted copy could never be claimed again.
         self.tombstones[copy.grant_id] = max(now, copy.claim_deadline)
 

@@ -185,6 +185,35 @@ def test_grant_permits_are_claimed_before_lease_draws_which_are_one_shot() -> No
     assert lease_reports(client.message(KEY)) == {"l1": (2, 1, False)}
 
 
+def test_a_spent_grant_is_still_reported_but_claims_look_only_at_open_ones() -> None:
+    # A spent grant stays until the holder acknowledges its releases; admissions, which
+    # look for a grant permit first, stop looking it over, and a newer grant is claimed.
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t0", enqueued_at=0.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claim_deadline=clock.now + 10)],
+        leases=[lease("l1", permits=5, expires_at=clock.now + 1800)]))
+    assert [p.source for p in client.admit()] == ["grant"]
+    client.release("t0")
+    permit = client.admit_now(KEY, None, "t1")
+    assert permit is not None and permit.source == "lease"
+    ledger = client._ledgers[KEY]
+    assert list(ledger.grants) == ["g1"] and ledger.open_grants == {}
+    message = client.message(KEY)
+    assert grant_reports(message) == {"g1": (1, 1)}
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claimed=1, released=0, claim_deadline=clock.now + 10),
+        grant("g2", permits=1, claim_deadline=clock.now + 10)],
+        leases=[lease("l1", permits=5, drawn=1, expires_at=clock.now + 1800)]))
+    permit = client.admit_now(KEY, None, "t2")
+    assert permit is not None and (permit.source, permit.source_id) == ("grant", "g2")
+    permit = client.admit_now(KEY, None, "t3")
+    assert permit is not None and permit.source == "lease"
+    assert ledger.open_grants == {}  # g2 is spent too: the look that found so dropped it
+
+
 def test_demand_deducts_undrawn_lease_permits_and_claimable_grant_permits() -> None:
     clock = FakeClock()
     client = make_client(clock)
