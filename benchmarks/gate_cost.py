@@ -4,11 +4,11 @@
 # unused (as in the overhead section's worker). Two paths: a free pool slot
 # (the task starts at once), and a full pool (the task is held, and starts when
 # an ending task passes its permit on: under load on a threads pool, most
-# tasks). A diagnostic, not a comparison: it says how much
-# of section 1's extra CPU per task is the gate's Python and how much is
-# elsewhere in the worker. With --cold, the free-slot path also runs with the
-# caches cold before each call, as in a worker, where Celery's own work runs
-# between one admission and the next: that costs several times the warm figure.
+# tasks). A diagnostic, not a comparison: it says how much of section 1's extra
+# CPU per task is the gate's Python and how much is elsewhere in the worker.
+# With --cold, the free-slot path also runs with the caches cold before each
+# call, as in a worker, where Celery's own work runs between one admission and
+# the next: that costs several times the warm figure.
 # With --opcodes, each path's Python opcodes and calls per task: the same on
 # every machine and every run, so a change of the per-task code shows there
 # even where the machine's noise hides it in times.

@@ -40,7 +40,10 @@ from durability_celery import DurabilitySemaphore
 
 SITE = ROOT / "benchmarks" / "profile_site"
 LOG_DIR = ROOT / "benchmarks" / "results" / "logs"
-TOGGLE = signal.SIGRTMIN + 3  # as in profile_site/sitecustomize.py
+TOGGLE = signal.SIGRTMIN + 3
+"""A real-time signal Celery does not use, passed to the workers as PROFILE_SIGNAL: its
+default action would end a process that did not install the handler, so the driver
+sends it only to the profiled worker."""
 WAIT_FOR_DUMP = 10.0
 WARM = 2
 """Tasks per key each profiled run starts with (its keys are new): profiled and counted."""
@@ -90,10 +93,10 @@ def compare(plain: Mapping[Key, tuple[int, float]], admitted: Mapping[Key, tuple
     by_package: defaultdict[str, float] = defaultdict(float)
     rows = []
     for key in set(plain) | set(admitted):
-        calls_a, own_a = admitted.get(key, (0, 0.0))
-        calls_p, own_p = plain.get(key, (0, 0.0))
         if _idle(key):
             continue
+        calls_a, own_a = admitted.get(key, (0, 0.0))
+        calls_p, own_p = plain.get(key, (0, 0.0))
         extra_us = (own_a - own_p) / tasks * 1e6
         by_package[package(key)] += extra_us
         where = f"{Path(key[0]).name}:{key[1]}({key[2]})" if key[0] != "~" else key[2]
@@ -128,7 +131,7 @@ def report(plain: Mapping[Key, tuple[int, float]], admitted: Mapping[Key, tuple[
 
 def _profiled_run(cluster: Any, pid: int, variant: str, *, tasks: int, keys: int,
                   dump: str, count: int) -> str:
-    throughput(cluster, variant, tasks=200, cap=60, keys=keys, warm=2)  # unprofiled
+    throughput(cluster, variant, tasks=200, cap=60, keys=keys, warm=WARM)  # unprofiled
     os.kill(pid, TOGGLE)
     result = throughput(cluster, variant, tasks=tasks, cap=120, keys=keys, warm=WARM)
     os.kill(pid, TOGGLE)
@@ -159,6 +162,7 @@ def main() -> None:
     dump = os.path.join(folder, "main")
     # Inherited by the workers `running` starts (it puts the repository first).
     os.environ["PROFILE_DUMP"] = dump
+    os.environ["PROFILE_SIGNAL"] = str(int(TOGGLE))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE),
                                                              os.environ.get("PYTHONPATH")]))
     database, drop = create_database()

@@ -1,8 +1,8 @@
 # Loaded by every Python process started with this folder on PYTHONPATH (see
-# benchmarks/worker_profile.py): when PROFILE_DUMP is set, a real-time signal
-# turns cProfile (on thread CPU time) on in the main thread and, sent again,
-# off, writing the stats to PROFILE_DUMP.<pid>.<n>. Rule: nothing happens
-# without PROFILE_DUMP, and a failed dump is reported on stderr instead of
+# benchmarks/worker_profile.py): when PROFILE_DUMP and PROFILE_SIGNAL are set,
+# that signal turns cProfile (on thread CPU time) on in the main thread and,
+# sent again, off, writing the stats to PROFILE_DUMP.<pid>.<n>. Rule: nothing
+# happens without both, and a failed dump is reported on stderr instead of
 # raised into the worker's loop.
 from __future__ import annotations
 
@@ -12,10 +12,6 @@ import signal
 import sys
 import time
 from types import FrameType
-
-TOGGLE = signal.SIGRTMIN + 3
-"""A real-time signal Celery does not use: its default action would end a process
-that did not install the handler, so the driver sends it only to profiled workers."""
 
 
 class _Toggle:
@@ -44,5 +40,6 @@ class _Toggle:
             print(f"profile_site: could not write the profile: {exc}", file=sys.stderr)
 
 
-if os.environ.get("PROFILE_DUMP"):
-    signal.signal(TOGGLE, _Toggle(os.environ["PROFILE_DUMP"]))
+# The driver names the signal (worker_profile.TOGGLE), so the two cannot disagree.
+if os.environ.get("PROFILE_DUMP") and os.environ.get("PROFILE_SIGNAL"):
+    signal.signal(int(os.environ["PROFILE_SIGNAL"]), _Toggle(os.environ["PROFILE_DUMP"]))
