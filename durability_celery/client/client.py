@@ -13,9 +13,10 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 from ..core.messages import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, DemandEntry, Request
@@ -683,6 +684,15 @@ class SemaphoreClient:
             groups = counts.setdefault(permit.key, {})
             groups[permit.group] = groups.get(permit.group, 0) + 1
         return counts
+
+    def ledgers(self) -> Mapping[str, KeyLedger]:
+        """This client's copy of each key's grants and leases, read-only (for inspection:
+        the ledgers themselves are live and change with every admission)."""
+        return MappingProxyType(self._ledgers)
+
+    def kept_idle(self, key: str) -> dict[str | None, int]:
+        """Permits of `key` kept idle for its next task, per group (see pass_on)."""
+        return {group: len(kept) for (k, group), kept in self._idle.items() if k == key}
 
     def permit(self, item_id: str) -> Permit | None:
         """The permit an admitted, unreleased item runs under."""

@@ -1,14 +1,18 @@
 # What the gate can tell about itself: held and running counts per semaphore,
 # key and group, with the blocked reason of the last reply, for the
-# `durability_held` remote-control command and the periodic log line. Rule:
-# read-only, under the gate's lock, JSON-ready.
+# `durability_held` remote-control command and the periodic log line; and the
+# permits it holds per key, as it has reported them, for `durability_permits`.
+# Rule: read-only, under the gate's lock, JSON-ready.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from celery.worker.control import inspect_command
 
+from ..client import SemaphoreClient
+from ..client.ledger import KeyLedger
 from .gate import Gate
 
 logger = logging.getLogger("durability_celery.worker")
@@ -55,6 +59,58 @@ def log_summary(gate: Gate) -> None:
                 "durability: %s/%s group=%s held=%d running=%d blocked=%s oldest_wait=%ss",
                 row["semaphore"], row["key"], row["group"], row["held"], row["running"],
                 row["blocked"] or row["error"] or "-", row["oldest_wait"])
+
+
+def _seconds(at: float, now: float) -> float | None:
+    """`at` in seconds from now (negative: past), None for never."""
+    return None if math.isinf(at) else round(at - now, 3)
+
+
+def _key_permits(client: SemaphoreClient, key: str, ledger: KeyLedger,
+                 now: float) -> dict[str, Any]:
+    """One key's grants and leases as this worker holds them: the counts it has (claimed,
+    drawn, released) next to what the holder acknowledged of them (`reported`)."""
+    grants = [{"grant_id": g.grant_id, "group": g.group, "permits": g.permits,
+               "claimed": g.claimed, "released": g.released,
+               "reported": [g.acked_claimed, g.acked_released],
+               "claim_deadline_in": _seconds(g.claim_deadline, now), "expired": g.expired}
+              for g in ledger.grants.values()]
+    leases = [{"lease_id": le.lease_id, "group": le.group, "permits": le.permits,
+               "drawn": le.drawn, "released": le.released,
+               "reported": [le.acked_drawn, le.acked_released],
+               "expires_in": _seconds(le.expires_at, now), "stopped": le.stopped,
+               "retired": le.retired}
+              for le in ledger.leases.values()]
+    in_flight = ledger.in_flight
+    return {"semaphore": client.semaphore, "key": key, "grants": grants, "leases": leases,
+            "kept_idle": [{"group": group, "permits": count}
+                          for group, count in client.kept_idle(key).items()],
+            "contended": ledger.contended, "over_limit": ledger.over_limit,
+            "next_request_in": _seconds(ledger.next_request_at, now),
+            "waiting_for_reply": None if in_flight is None else round(now - in_flight.sent_at, 3),
+            "error": ledger.last_error}
+
+
+def describe_permits(gate: Gate) -> dict[str, Any]:
+    """Per (semaphore, key) this worker has talked to the holder about: its grants and
+    leases, the permits it keeps idle, and when it next reports."""
+    now = gate.clock()
+    with gate.lock:
+        gate.settle_ended()
+        keys = [_key_permits(client, key, ledger, now)
+                for client in gate.clients.values()
+                for key, ledger in sorted(client.ledgers().items())]
+        return {"client_id": next((c.client_id for c in gate.clients.values()), None),
+                "keys": keys}
+
+
+@inspect_command()  # type: ignore[untyped-decorator]
+def durability_permits(state: Any) -> dict[str, Any]:
+    """Grants and leases this worker holds per semaphore and key, with what it reported."""
+    gate = getattr(state.consumer, "durability_gate", None)
+    if gate is None:
+        return {"error": "no durability gate in this worker"}
+    return describe_permits(gate)
 
 
 @inspect_command()  # type: ignore[untyped-decorator]

@@ -184,8 +184,11 @@ class Cluster:
         return next(p for p in self.workers if victim[0].split("@")[0] in p.log())
 
     def inspect_held(self) -> dict[str, Any]:
+        return self.inspect("durability_held")
+
+    def inspect(self, command: str) -> dict[str, Any]:
         # Every worker answers (the holder too): stop waiting once all have.
-        replies = self.app.control.broadcast("durability_held", reply=True, timeout=2.0,
+        replies = self.app.control.broadcast(command, reply=True, timeout=2.0,
                                              limit=len(self.processes.procs))
         merged: dict[str, Any] = {}
         for reply in replies:

@@ -125,6 +125,22 @@ def held_tasks_say_why_they_wait(cluster: Cluster) -> None:
                      context=lambda: f"durability_held rows: {seen}")
     assert sum(row["running"] for row in seen if row["key"] == "k2") <= 2
     assert all(row["oldest_wait"] is None or row["oldest_wait"] >= 0 for row in seen)
+    # `durability_permits`: the grants behind those running tasks, worker by worker. A
+    # permit counts from its claim until its release (kept idle between tasks too), so
+    # the workers' permits of k2 never add up to more than its limit.
+    permits: list[dict[str, Any]] = []
+
+    def k2_permits_in_use() -> int:
+        permits[:] = [row for name, reply in cluster.inspect("durability_permits").items()
+                      if name.startswith("client") for row in reply["keys"]
+                      if row["key"] == "k2"]
+        in_use = sum(g["claimed"] - g["released"] for row in permits for g in row["grants"])
+        assert in_use <= 2, permits
+        return in_use
+
+    cluster.wait_for("k2's permits in the workers' view", lambda: k2_permits_in_use() >= 1,
+                     timeout=10, context=lambda: f"durability_permits rows: {permits}")
+    assert all(row["leases"] == [] for row in permits)  # grants only in this case
 
 
 def messages_without_headers(cluster: Cluster) -> None:
