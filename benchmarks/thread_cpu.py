@@ -13,7 +13,6 @@
 # Needs the services of `python -m benchmarks` (Redis, PostgreSQL). Linux only.
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -23,7 +22,7 @@ from typing import Any
 from benchmarks.cluster import create_database, running, suite_config
 from benchmarks.measure import throughput
 from benchmarks.plan import SEMAPHORES
-from benchmarks.worker_profile import LOG_DIR
+from benchmarks.worker_profile import LOG_DIR, flood_parser, parse_flood
 from durability_celery import DurabilitySemaphore
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -151,15 +150,7 @@ def _measured(cluster: Any, session: int, variant: str, *, tasks: int, keys: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.thread_cpu")
-    parser.add_argument("--variant", default="leases", choices=sorted(SEMAPHORES))
-    parser.add_argument("--keys", type=int, default=1)
-    parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--pool", default="threads", choices=("threads", "prefork", "solo"))
-    parser.add_argument("--passes", type=int, default=4)
-    options = parser.parse_args()
-    if options.keys < 1 or options.tasks < 1 or options.passes < 1:
-        parser.error("--keys, --tasks and --passes must be at least 1")
+    options = parse_flood(flood_parser("python -m benchmarks.thread_cpu", keys=1, passes=4))
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     database, drop = create_database()
     runs = []

@@ -146,17 +146,28 @@ def _profiled_run(cluster: Any, pid: int, variant: str, *, tasks: int, keys: int
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker_profile")
+def flood_parser(prog: str, *, keys: int, passes: int) -> argparse.ArgumentParser:
+    """The options of a diagnostic that runs section 1's flood on one worker."""
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--variant", default="leases", choices=sorted(SEMAPHORES))
-    parser.add_argument("--keys", type=int, default=16)
+    parser.add_argument("--keys", type=int, default=keys)
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--pool", default="threads", choices=("threads", "prefork", "solo"))
-    parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--passes", type=int, default=passes)
+    return parser
+
+
+def parse_flood(parser: argparse.ArgumentParser) -> argparse.Namespace:
     options = parser.parse_args()
     if options.keys < 1 or options.tasks < 1 or options.passes < 1:
         parser.error("--keys, --tasks and --passes must be at least 1")
+    return options
+
+
+def main() -> None:
+    parser = flood_parser("python -m benchmarks.worker_profile", keys=16, passes=2)
+    parser.add_argument("--top", type=int, default=25)
+    options = parse_flood(parser)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="worker-profile-")
     dump = os.path.join(folder, "main")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from celery.worker.control import inspect_command
@@ -107,16 +108,18 @@ def describe_permits(gate: Gate) -> dict[str, Any]:
 @inspect_command()  # type: ignore[untyped-decorator]
 def durability_permits(state: Any) -> dict[str, Any]:
     """Grants and leases this worker holds per semaphore and key, with what it reported."""
-    gate = getattr(state.consumer, "durability_gate", None)
-    if gate is None:
-        return {"error": "no durability gate in this worker"}
-    return describe_permits(gate)
+    return _of_gate(state, describe_permits)
 
 
 @inspect_command()  # type: ignore[untyped-decorator]
 def durability_held(state: Any) -> dict[str, Any]:
     """Held and running admitted tasks per semaphore, key and group, with blocked reasons."""
+    return _of_gate(state, describe)
+
+
+def _of_gate(state: Any, view: Callable[[Gate], dict[str, Any]]) -> dict[str, Any]:
+    """`view` of the worker's gate; an error for a worker without one (the holder)."""
     gate = getattr(state.consumer, "durability_gate", None)
     if gate is None:
         return {"error": "no durability gate in this worker"}
-    return describe(gate)
+    return view(gate)
