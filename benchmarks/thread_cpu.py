@@ -19,11 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.cluster import create_database, running, suite_config
 from benchmarks.measure import throughput
-from benchmarks.plan import SEMAPHORES
-from benchmarks.worker_profile import LOG_DIR, flood_parser, parse_flood
-from durability_celery import DurabilitySemaphore
+from benchmarks.worker_profile import LOG_DIR, flood_parser, flood_worker, parse_flood, turns
 
 TICK = os.sysconf("SC_CLK_TCK")
 WARM = 2
@@ -151,28 +148,16 @@ def _measured(cluster: Any, session: int, variant: str, *, tasks: int, keys: int
 
 def main() -> None:
     options = parse_flood(flood_parser("python -m benchmarks.thread_cpu", keys=1, passes=4))
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    database, drop = create_database()
     runs = []
-    try:
-        DurabilitySemaphore.migrate(database)
-        config = suite_config(database, SEMAPHORES)
-        concurrency = 1 if options.pool == "solo" else 4
-        with running(config, clients=1, pool=options.pool, concurrency=concurrency,
-                     log_dir=LOG_DIR, label="thread-cpu") as cluster:
-            session = cluster.client_sessions[0]  # the worker leads its session
-            for variant in ("plain", options.variant):  # connections, first rounds
-                throughput(cluster, variant, tasks=300, cap=60, keys=options.keys, warm=WARM)
-            for n in range(options.passes):
-                # Taking turns, as section 1 does: the first of a pass pays for its place.
-                for variant in ["plain", options.variant][:: 1 if n % 2 == 0 else -1]:
-                    run = _measured(cluster, session, variant, tasks=options.tasks,
-                                    keys=options.keys)
-                    runs.append(run)
-                    print(f"  pass {n + 1} {variant:<8} "
-                          + " ".join(f"{x:9.2f}" for x in run.figures()), flush=True)
-    finally:
-        drop()
+    with flood_worker(options.pool, label="thread-cpu") as cluster:
+        session = cluster.client_sessions[0]  # the worker leads its session
+        for variant in ("plain", options.variant):  # connections, first rounds
+            throughput(cluster, variant, tasks=300, cap=60, keys=options.keys, warm=WARM)
+        for n, variant in turns(options.variant, options.passes):
+            run = _measured(cluster, session, variant, tasks=options.tasks, keys=options.keys)
+            runs.append(run)
+            print(f"  pass {n} {variant:<8} " + " ".join(f"{x:9.2f}" for x in run.figures()),
+                  flush=True)
     print(summary(runs))
 
 

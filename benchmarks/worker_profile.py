@@ -28,12 +28,13 @@ import signal
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import ROOT, create_database, running, suite_config
+from benchmarks.cluster import ROOT, Cluster, create_database, running, suite_config
 from benchmarks.measure import throughput
 from benchmarks.plan import SEMAPHORES
 from durability_celery import DurabilitySemaphore
@@ -164,11 +165,34 @@ def parse_flood(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return options
 
 
+@contextmanager
+def flood_worker(pool: str, *, label: str) -> Iterator[Cluster]:
+    """One client worker of `pool` (4 slots; solo has 1) and a holder, on a database of
+    their own that is dropped afterwards; worker logs go to LOG_DIR."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    database, drop = create_database()
+    try:
+        DurabilitySemaphore.migrate(database)
+        with running(suite_config(database, SEMAPHORES), clients=1, pool=pool,
+                     concurrency=1 if pool == "solo" else 4, log_dir=LOG_DIR,
+                     label=label) as cluster:
+            yield cluster
+    finally:
+        drop()
+
+
+def turns(variant: str, passes: int) -> Iterator[tuple[int, str]]:
+    """(pass, variant) for each run: plain Celery and `variant` taking turns going first,
+    as section 1 does, since the first of a pass pays for its place."""
+    for n in range(passes):
+        for each in ["plain", variant][:: 1 if n % 2 == 0 else -1]:
+            yield n + 1, each
+
+
 def main() -> None:
     parser = flood_parser("python -m benchmarks.worker_profile", keys=16, passes=2)
     parser.add_argument("--top", type=int, default=25)
     options = parse_flood(parser)
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="worker-profile-")
     dump = os.path.join(folder, "main")
     # Inherited by the workers `running` starts (it puts the repository first).
@@ -176,27 +200,14 @@ def main() -> None:
     os.environ["PROFILE_SIGNAL"] = str(int(TOGGLE))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE),
                                                              os.environ.get("PYTHONPATH")]))
-    database, drop = create_database()
     files: dict[str, list[str]] = {"plain": [], options.variant: []}
-    try:
-        DurabilitySemaphore.migrate(database)
-        config = suite_config(database, SEMAPHORES)
-        concurrency = 1 if options.pool == "solo" else 4
-        with running(config, clients=1, pool=options.pool, concurrency=concurrency,
-                     log_dir=LOG_DIR, label="profile") as cluster:
-            pid = cluster.client_sessions[0]
-            count = 0
-            for n in range(options.passes):
-                # Taking turns, as section 1 does: the first of a pass pays for its place.
-                order = ["plain", options.variant][:: 1 if n % 2 == 0 else -1]
-                for variant in order:
-                    count += 1
-                    files[variant].append(_profiled_run(
-                        cluster, pid, variant, tasks=options.tasks, keys=options.keys,
-                        dump=dump, count=count))
-                    print(f"  pass {n + 1} {variant}: profiled", flush=True)
-    finally:
-        drop()
+    with flood_worker(options.pool, label="profile") as cluster:
+        pid = cluster.client_sessions[0]
+        for count, (n, variant) in enumerate(turns(options.variant, options.passes), 1):
+            files[variant].append(_profiled_run(
+                cluster, pid, variant, tasks=options.tasks, keys=options.keys,
+                dump=dump, count=count))
+            print(f"  pass {n} {variant}: profiled", flush=True)
     tasks = (options.tasks + WARM * options.keys) * options.passes
     print(report(load(files["plain"]), load(files[options.variant]), tasks,
                  variant=options.variant, top=options.top))
