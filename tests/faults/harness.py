@@ -105,7 +105,9 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
         timeout=timeout, context=lambda: (
             f"{len(expected - set(cluster.starts()))} not started, "
             f"{len(expected - set(cluster.ends()) - lost)} not ended; holder state: "
-            f"{[cluster.semaphore.state(k) for k in limits]}\n{cluster.logs()}"))
+            f"{[cluster.semaphore.state(k) for k in limits]}\n"
+            f"{broker_whereabouts(cluster, expected - set(cluster.ends()) - lost)}\n"
+            f"{cluster.logs()}"))
     last_end = time.time()
     starts = cluster.starts()
     twice = {i: n for i, n in starts.items() if i in expected and n != 1}
@@ -127,6 +129,28 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
             wait_usage_zero(cluster, key, timeout=settle)
             outcome.usage_zero_after[key] = round(time.time() - last_end, 2)
     return outcome
+
+
+def broker_whereabouts(cluster: FaultCluster, missing: set[str]) -> str:
+    """Where a Redis broker has the tasks that did not end: a queue, kombu's unacked
+    index (back after the visibility timeout), or nowhere (lost)."""
+    url = cluster.config["broker_url"]
+    if not missing or not url.startswith("redis://"):
+        return ""
+    try:
+        broker = redis.Redis.from_url(url, decode_responses=True)
+        found: dict[str, list[str]] = {task: [] for task in missing}
+        for key in broker.scan_iter():
+            kind = broker.type(key)
+            values = (broker.lrange(key, 0, -1) if kind == "list"
+                      else broker.hvals(key) if kind == "hash" else [])
+            for value in values:
+                for task in missing:
+                    if task in value:
+                        found[task].append(f"{kind} {key}")
+        return f"in the broker: {found}"
+    except redis.RedisError as exc:
+        return f"broker not readable: {exc!r}"
 
 
 def wait_usage_zero(cluster: FaultCluster, key: str, *, timeout: float) -> None:
