@@ -103,6 +103,9 @@ class GateState:
     """Admitted tasks that ended (their permit released or passed on)."""
     passed: list[tuple[str, Permit]] = field(default_factory=list)
     """Permits passed on by an ending task, to start at the next pump."""
+    let_go: list[tuple[Any, float]] = field(default_factory=list)
+    """(request, when) of held messages handed back while the broker could not take them
+    (the reject failed): forget_held gives them to the step with the held ones."""
 
 
 def _revoked(request: Any) -> bool:
@@ -352,6 +355,9 @@ class Gate:
                         entry.request.id, now - entry.held_since)
             entry.request.reject(requeue=True)
             worker_state.task_ready(entry.request)
+            message = getattr(entry.request, "message", None)
+            if message is not None and not message.acknowledged:  # Celery logged why
+                self.state.let_go.append((entry.request, now))
 
     def _drop_revoked(self) -> None:
         for item, entry in list(self.state.held.items()):
@@ -536,11 +542,17 @@ class Gate:
 
     # -- shutdown and visibility ---------------------------------------------------
 
-    def forget_held(self) -> int:
-        """The consumer stopped: held messages go back to the broker with the channel."""
+    def forget_held(self) -> list[tuple[Any, float]]:
+        """The consumer stopped: held messages go back to the broker with the channel.
+
+        Returns (request, since) of each, and of each hand-back the broker refused: a
+        channel lost with its broker could not give them back, and `since` bounds the
+        broker's unacked record of that delivery (GateStep gives them back later)."""
         with self.lock:
             self.settle_ended()  # their successors join `passed`, given back below
-            count = len(self.state.held)
+            forgotten = [(entry.request, entry.held_since)
+                         for entry in self.state.held.values()] + self.state.let_go
+            self.state.let_go = []
             for item, entry in list(self.state.held.items()):
                 self.clients[entry.semaphore].cancel(item)
                 worker_state.reserved_requests.discard(entry.request)
@@ -552,7 +564,7 @@ class Gate:
             self.state.passed.clear()
             # in_flight stays: replies still arrive on the reply queue, which the
             # restarted step (or the final report) consumes again.
-            return count
+            return forgotten
 
     def stop(self) -> None:
         """Warm shutdown: stop every lease so the final reports return undrawn permits."""

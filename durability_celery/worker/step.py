@@ -25,7 +25,7 @@ from ..holder.queues import reply_queue_declaration, safe_queue_part
 from ..routing import reply_queue
 from ..semaphore import DurabilitySemaphore
 from .gate import Gate, Hooks, Outgoing, item_id
-from .teardown import guard_connection_loss
+from .teardown import Orphan, give_back, guard_connection_loss, unreturned, watch_pops
 from .visibility import log_summary
 
 logger = logging.getLogger("durability_celery.worker")
@@ -108,6 +108,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             expires=settings.reply_expires)
         self._deferred: deque[Any] = deque()
         """Admitted requests of a solo pool, to run once the gate's call is done."""
+        self._orphans: list[Orphan] = []
+        """Messages let go of at the last stop, to give back at the next start."""
         self.hooks = self._hooks(c)
         # Both are final in get_consumers, once the pool and the broker are known.
         self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or HELD_PER_SLOT,
@@ -229,6 +231,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         super().start(c)
+        self._give_back(c)
+        watch_pops(getattr(getattr(c, "task_consumer", None), "channel", None),
+                   self._unrecorded)
         self.gate.loop_thread = threading.get_ident()
         self._running = True
         self._timers = [c.timer.call_repeatedly(PUMP_INTERVAL, self.pump),
@@ -249,9 +254,12 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         for entry in self._timers:
             entry.cancel()
         self._timers = []
-        dropped = self.gate.forget_held()
-        if dropped:
-            logger.info("durability: %d held message(s) go back to the broker", dropped)
+        now = time.time()
+        forgotten = self.gate.forget_held()
+        if forgotten:
+            logger.info("durability: %d held message(s) go back to the broker", len(forgotten))
+        self._orphans += [Orphan(request.message, since) for request, since in forgotten]
+        self._orphans += [Orphan(request.message, now) for request in self._deferred]
         # Admitted but never started (a solo pool's shutdown stops a running task, and
         # the tasks deferred behind it with it): their permits go back now, their
         # messages with the channel. The flag keeps release from running them; it is
@@ -267,6 +275,28 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             self._running_deferred = False
             self._parked = False  # a resume still scheduled finds nothing to run
         self._drop_producer()
+
+    def _give_back(self, c: Any) -> None:
+        """Messages the last stop let go of that the lost channel could not return go
+        back now, over the new connection (teardown.give_back)."""
+        orphans, self._orphans = unreturned(self._orphans), []
+        if not orphans:
+            return
+        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        try:
+            count = give_back(channel, orphans)
+        except Exception as exc:  # the broker is gone again: the next start tries again
+            self._orphans = orphans
+            logger.warning("durability: could not give back %d message(s) held when the "
+                           "broker connection was lost: %r", len(orphans), exc)
+            return
+        logger.info("durability: gave back %d of %d message(s) held when the broker "
+                    "connection was lost", count, len(orphans))
+
+    def _unrecorded(self, message: Any, when: float) -> None:
+        logger.warning("durability: message %s was taken from the broker as it failed; "
+                       "it goes back at the next start", message.delivery_tag)
+        self._orphans.append(Orphan(message, when, unrecorded=True))
 
     # -- the loop --------------------------------------------------------------
 

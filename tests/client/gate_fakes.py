@@ -30,6 +30,7 @@ class FakeRequest:
         self._durability_release: Any = None
         self._durability_item = ""
         self.rejected: list[bool] = []
+        self.message: Any = None  # kombu's message: only hand-backs read it (acknowledged)
         self.request_dict = {HEADER_SEMAPHORE: SEM, HEADER_KEY: key, HEADER_GROUP: None,
                              HEADER_ENQUEUED_AT: 1.0, "retries": 0}
 

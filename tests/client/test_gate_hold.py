@@ -7,6 +7,8 @@
 # hooks and requests.
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from durability_celery.worker.gate import Gate
@@ -85,3 +87,22 @@ def test_held_tasks_that_start_lower_prefetch_once_each() -> None:
         gate.pump(collect=False)
     assert loop.started == [r.id for r in requests]
     assert gate.state.held == {} and loop.qos == gate.state.raised == 0
+
+
+def test_held_and_refused_hand_backs_are_returned_when_the_consumer_stops() -> None:
+    # The step gives these back at its next start (teardown.give_back): a channel lost
+    # with its broker could not. `since` bounds each delivery's unacked record.
+    gate, _, clock = gate_without_permits(busy=POOL)
+    handed_back = hold(gate, 2)
+    handed_back[0].message = SimpleNamespace(acknowledged=True)  # the broker took it back
+    handed_back[1].message = SimpleNamespace(acknowledged=False)  # the reject failed
+    clock.advance(601)
+    gate.pump()
+    assert gate.state.held == {}
+    refused_at = clock.now
+    clock.advance(5)
+    still_held = hold(gate, 3)
+    held_at = clock.now
+    forgotten = gate.forget_held()
+    assert forgotten == [(r, held_at) for r in still_held] + [(handed_back[1], refused_at)]
+    assert gate.state.held == {} and gate.forget_held() == [], "each is returned once"

@@ -17,6 +17,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 LIMITS = {"svc": 3, "svc-after": 3}
 DOWN = 3.0  # seconds the service stays down
+# Redis's default: nothing the test waits for may come back by the visibility timeout.
+# Held messages the lost channel could not return go back at the gate's next start
+# (teardown.give_back); with 8 s here, the test passed without that, but failed when
+# the kill also left kombu's restore mutex set for 5 minutes (docs/internals.md).
+VISIBILITY = 3600
 
 
 def ended(cluster: FaultCluster) -> int:
@@ -39,8 +44,7 @@ def test_broker_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
     cluster = fault_cluster(
         limits=LIMITS, broker_url=private_redis.url(),
         settings={"hold_deadline": 4, "max_held": max_held},
-        transport={"visibility_timeout": 8, "unacked_restore_interval": 1,
-                   "unacked_restore_throttle": 1})
+        transport={"visibility_timeout": VISIBILITY})
     cluster.start(clients=2, pool=pool, concurrency=2)
     ids = cluster.publish(30, key="svc", work=0.3)
     cluster.wait_for("some tasks to end", lambda: ended(cluster) >= 8, timeout=30)
