@@ -59,13 +59,24 @@ DEFAULT_REDIS_VISIBILITY = 3600.0
 DEFAULT_HOLD_DEADLINE = 900.0
 
 
-def default_hold_deadline(app: Any, driver_type: str) -> float:
-    """Half the broker's redelivery limit, at most 15 minutes."""
+def hold_deadline(app: Any, driver_type: str, configured: float | None) -> float:
+    """The configured hold deadline, else half the broker's redelivery limit, at most
+    15 minutes. A configured one at or past Redis's `visibility_timeout` is kept, with
+    a warning: Redis then redelivers held messages to other workers while this one still
+    holds them, and each delivery may run."""
+    visibility = None
     if driver_type == "redis":
         options = app.conf.broker_transport_options or {}
         visibility = float(options.get("visibility_timeout", DEFAULT_REDIS_VISIBILITY))
+    if configured is None:
+        if visibility is None:
+            return DEFAULT_HOLD_DEADLINE
         return max(1.0, min(visibility / 2, DEFAULT_HOLD_DEADLINE))
-    return DEFAULT_HOLD_DEADLINE
+    if visibility is not None and configured >= visibility:
+        logger.warning("durability: hold_deadline %gs is not below the Redis "
+                       "visibility_timeout %gs: held messages will be redelivered while "
+                       "held; make it at most half of it", configured, visibility)
+    return configured
 
 
 def unadmitted_active() -> int:
@@ -222,9 +233,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def get_consumers(self, channel: Any) -> list[Any]:
         self._fit_pool()
-        if self.durability.settings.hold_deadline is None:
-            self.gate.hold_deadline = default_hold_deadline(
-                self.c.app, self.c.connection.transport.driver_type)
+        self.gate.hold_deadline = hold_deadline(
+            self.c.app, self.c.connection.transport.driver_type,
+            self.durability.settings.hold_deadline)
         return [Consumer(  # type: ignore[no-untyped-call]
             channel, queues=[self.reply_queue], callbacks=[self._on_reply],
             no_ack=True, accept=["json"])]
