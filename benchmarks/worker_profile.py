@@ -31,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,10 @@ default action would end a process that did not install the handler, so the driv
 sends it only to the profiled worker."""
 WAIT_FOR_DUMP = 10.0
 WARM = 2
-"""Tasks per key each profiled run starts with (its keys are new): profiled and counted."""
+"""Tasks per key each profiled run starts with (its keys are new): not profiled, since
+each new key's first round (a second of waiting with pumps) would weigh on a per-task
+figure; profiling runs from where throughput reads the worker's CPU to where it reads it
+again (its `snapshot` hook)."""
 IDLE = ("poll", "select", "sleep", "recv", "acquire", "wait")
 """Built-ins whose profiled time is waiting, not work: left out of the totals."""
 PACKAGES = ("durability_celery", "kombu", "celery", "redis", "vine", "billiard", "json")
@@ -133,9 +137,9 @@ def report(plain: Mapping[Key, tuple[int, float]], admitted: Mapping[Key, tuple[
 def _profiled_run(cluster: Any, pid: int, variant: str, *, tasks: int, keys: int,
                   dump: str, count: int) -> str:
     throughput(cluster, variant, tasks=200, cap=60, keys=keys, warm=WARM)  # unprofiled
-    os.kill(pid, TOGGLE)
-    result = throughput(cluster, variant, tasks=tasks, cap=120, keys=keys, warm=WARM)
-    os.kill(pid, TOGGLE)
+    # Toggled on after the warm tasks, off once the measured ones are done.
+    result = throughput(cluster, variant, tasks=tasks, cap=120, keys=keys, warm=WARM,
+                        snapshot=partial(os.kill, pid, TOGGLE))
     path = f"{dump}.{pid}.{count}"
     deadline = time.monotonic() + WAIT_FOR_DUMP
     while not os.path.exists(path) and time.monotonic() < deadline:
@@ -208,7 +212,7 @@ def main() -> None:
                 cluster, pid, variant, tasks=options.tasks, keys=options.keys,
                 dump=dump, count=count))
             print(f"  pass {n} {variant}: profiled", flush=True)
-    tasks = (options.tasks + WARM * options.keys) * options.passes
+    tasks = options.tasks * options.passes
     print(report(load(files["plain"]), load(files[options.variant]), tasks,
                  variant=options.variant, top=options.top))
     for path in glob.glob(f"{dump}.*"):
