@@ -242,9 +242,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         super().start(c)
-        self._give_back(c)
-        watch_pops(getattr(getattr(c, "task_consumer", None), "channel", None),
-                   self._unrecorded)
+        tasks_channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        self._give_back(tasks_channel)
+        watch_pops(tasks_channel, self._unrecorded)
         self.gate.loop_thread = threading.get_ident()
         self._running = True
         self._timers = [c.timer.call_repeatedly(PUMP_INTERVAL, self.pump),
@@ -287,13 +287,12 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             self._parked = False  # a resume still scheduled finds nothing to run
         self._drop_producer()
 
-    def _give_back(self, c: Any) -> None:
+    def _give_back(self, channel: Any) -> None:
         """Messages the last stop let go of that the lost channel could not return go
-        back now, over the new connection (teardown.give_back)."""
+        back now, over the new connection's task channel (teardown.give_back)."""
         orphans, self._orphans = unreturned(self._orphans), []
         if not orphans:
             return
-        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         try:
             count = give_back(channel, orphans)
         except Exception as exc:  # the broker is gone again: the next start tries again

@@ -67,6 +67,13 @@ def restore_unacked_before_teardown(c: Any) -> None:
         qos.restore_at_shutdown = False
 
 
+def _redis_qos(channel: Any) -> Any:
+    """The QoS of kombu's Redis `channel` (it keeps unacked records in the broker), else
+    None: another transport's, or no channel."""
+    qos = getattr(channel, "qos", None)
+    return qos if hasattr(qos, "unacked_key") else None
+
+
 @dataclass(frozen=True)
 class Orphan:
     """A message the gate let go of unrun (held, or admitted and not started) when its
@@ -92,9 +99,9 @@ def watch_pops(channel: Any, on_unrecorded: Callable[[Any, float], None]) -> Non
     in the socket, to be read (and its record tried) only after the broker died, or in
     Celery's teardown of the lost connection. The error still propagates, as before;
     `on_unrecorded(message, when)` gets the message first, for give_back."""
-    qos: Any = getattr(channel, "qos", None)
+    qos = _redis_qos(channel)
     append = getattr(qos, "append", None)
-    if append is None or not hasattr(qos, "unacked_key") or getattr(append, "_watched", False):
+    if append is None or getattr(append, "_watched", False):
         return  # not kombu's Redis transport, or watched already
 
     def watched(message: Any, delivery_tag: Any) -> None:
@@ -144,9 +151,9 @@ def give_back(channel: Any, orphans: list[Orphan]) -> int:
     One WATCH transaction, so a concurrent restore of the same record cannot race it.
     An unrecorded orphan (watch_pops) has no record to remove: it goes back each time
     it is given, so the caller gives each back once."""
-    qos: Any = getattr(channel, "qos", None)
+    qos = _redis_qos(channel)
     restore = getattr(channel, "_do_restore_message", None)
-    if not orphans or restore is None or not hasattr(qos, "unacked_key"):
+    if not orphans or restore is None or qos is None:
         return 0  # not kombu's Redis transport: nothing of ours to give back
     records, index = qos.unacked_key, qos.unacked_index_key
 
