@@ -20,12 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.measure import throughput
-from benchmarks.worker_profile import LOG_DIR, flood_parser, flood_worker, parse_flood, turns
+from benchmarks.worker_profile import (
+    LOG_DIR,
+    WARM,
+    flood_parser,
+    flood_worker,
+    parse_flood,
+    turns,
+)
 
 TICK = os.sysconf("SC_CLK_TCK")
-WARM = 2
-"""Tasks per key each run starts with (its keys are new: their first rounds), before its
-snapshots: not counted."""
 
 
 @dataclass(frozen=True)
