@@ -8,10 +8,11 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,13 @@ def suite_config(database: str, semaphores: dict[str, dict[str, Any]], *,
             "max_held": max_held, "diy_countdown": diy_countdown}
 
 
-def _spawn(config: dict[str, Any], args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(config: dict[str, Any], args: list[str], log: Path, *,
+           hostname: str = "") -> subprocess.Popen[bytes]:
     env = dict(os.environ, **{CONFIG_ENV: json.dumps(config)},
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker",
            "--loglevel=WARNING", "--without-mingle", "--without-gossip",
-           f"--hostname=bench-{secrets.token_hex(3)}@%h", *args]
+           f"--hostname={hostname or f'bench-{secrets.token_hex(3)}@%h'}", *args]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT, start_new_session=True)
@@ -99,6 +101,8 @@ class Cluster:
         self.ledger = redis.Redis.from_url(config["ledger_url"], decode_responses=True)
         self.holder_session = 0
         self.client_sessions: list[int] = []
+        self.client_hostnames: list[str] = []
+        """Each client worker's node name, for control commands aimed at one of them."""
 
     def cpu(self) -> tuple[float, float]:
         """CPU seconds so far of the client workers (all of them) and of the holder."""
@@ -125,7 +129,9 @@ class Cluster:
 
 @contextmanager
 def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int,
-            log_dir: Path, label: str) -> Iterator[Cluster]:
+            log_dir: Path, label: str, queues: Sequence[str] = ()) -> Iterator[Cluster]:
+    """The holder and `clients` client workers; client n consumes `queues[n]` if given,
+    else Celery's default queue."""
     for url in (config["broker_url"], config["ledger_url"]):
         redis.Redis.from_url(url).flushdb()
     cluster = Cluster(config)
@@ -133,8 +139,11 @@ def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int
                              "--concurrency=1"], log_dir / f"{label}-holder.log")]
     try:
         for n in range(clients):
-            procs.append(_spawn(config, [f"--pool={pool}", f"--concurrency={concurrency}"],
-                                log_dir / f"{label}-client{n}.log"))
+            hostname = f"bench-{secrets.token_hex(3)}@{socket.gethostname()}"
+            cluster.client_hostnames.append(hostname)
+            procs.append(_spawn(config, [f"--pool={pool}", f"--concurrency={concurrency}",
+                                         *(["-Q", queues[n]] if queues else [])],
+                                log_dir / f"{label}-client{n}.log", hostname=hostname))
         cluster.holder_session = procs[0].pid
         cluster.client_sessions = [proc.pid for proc in procs[1:]]
         deadline = time.monotonic() + 90

@@ -151,10 +151,13 @@ def _profiled_run(cluster: Any, pid: int, variant: str, *, tasks: int, keys: int
     return path
 
 
-def flood_parser(prog: str, *, keys: int, passes: int) -> argparse.ArgumentParser:
-    """The options of a diagnostic that runs section 1's flood on one worker."""
+def flood_parser(prog: str, *, keys: int, passes: int,
+                 plain: bool = False) -> argparse.ArgumentParser:
+    """The options of a diagnostic that runs section 1's flood; `plain`: the variant may
+    be plain Celery too."""
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--variant", default="leases", choices=sorted(SEMAPHORES))
+    parser.add_argument("--variant", default="leases",
+                        choices=sorted(SEMAPHORES) + (["plain"] if plain else []))
     parser.add_argument("--keys", type=int, default=keys)
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--pool", default="threads", choices=("threads", "prefork", "solo"))

@@ -1,0 +1,133 @@
+# Plain Celery and an admitted variant side by side: two client workers of one
+# pool, one per variant, each draining a queue of no-op tasks filled beforehand,
+# at the same time on the same machine. Section 1 runs the variants one after
+# another, and this machine's speed drifts by a fifth within minutes (plain
+# Celery 426-589 tasks/s within one run on 2026-12-03): a twelve-pass mean of
+# its ratio had a standard error of 0.025, half of the 0.05 the leases target
+# allows. Side by side, a drift slows both workers alike. Both draining at
+# once, they share the machine's two cores: the ratio of their completion rates
+# while both run is how much more CPU each admitted task costs its worker.
+# The workers swap variants every pass (and which starts first), so a
+# difference between the two processes cancels out; `--variant plain` runs
+# plain against plain, which says how far the method itself is from 1.
+#
+#   python -m benchmarks.side_by_side [--variant leases] [--keys 1] [--tasks 3000]
+#                                     [--pool threads] [--passes 8]
+#
+# Needs the services of `python -m benchmarks` (Redis, PostgreSQL).
+from __future__ import annotations
+
+import secrets
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.cluster import Cluster, create_database, running, suite_config
+from benchmarks.measure import FREE_LIMIT
+from benchmarks.plan import SEMAPHORES
+from benchmarks.worker_profile import LOG_DIR, WARM, flood_parser, parse_flood
+from durability_celery import DurabilitySemaphore
+
+HOME = ("side-0", "side-1")
+"""Each worker's own queue, where its warm tasks go."""
+CAP = 120.0
+
+
+def _fill(cluster: Cluster, variant: str, queue: str, run: str, accounts: Sequence[str],
+          count: int, producer: Any) -> None:
+    task = cluster.task(variant)
+    for i in range(count):
+        task.apply_async(kwargs={"run": run, "account": accounts[i % len(accounts)],
+                                 "limit": FREE_LIMIT, "work": 0.0,
+                                 "published_at": time.time()},
+                         queue=queue, producer=producer)
+
+
+def _wait(cluster: Cluster, runs: Sequence[str], count: int) -> bool:
+    deadline = time.monotonic() + CAP
+    while any(cluster.done(run) < count for run in runs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def rates(rows: Sequence[Sequence[tuple[float, float, float]]]) -> tuple[list[float], float]:
+    """Each side's completions per second while all sides ran (from the last first start
+    to the first last end), and that window's length."""
+    start = max(min(row[0] for row in side) for side in rows)
+    end = min(max(row[1] for row in side) for side in rows)
+    window = end - start
+    if window <= 0:
+        raise RuntimeError("the two workers never ran at the same time")
+    return [sum(start <= row[1] <= end for row in side) / window for side in rows], window
+
+
+def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
+             keys: int, first: int) -> dict[str, Any]:
+    """Both workers drain `tasks` at once, worker n running variants[n]; `first`: which
+    worker is told to start first. Each worker's rate over the shared window."""
+    run = f"sbs-{secrets.token_hex(3)}"
+    runs = [f"{run}-{n}" for n in range(2)]
+    accounts = [[f"{FREE_LIMIT}:{side}:{k}" for k in range(keys)] for side in runs]
+    queues = [f"{side}-q" for side in runs]
+    with cluster.app.producer_or_acquire() as producer:
+        for n, variant in enumerate(variants):  # connections, each key's first round
+            _fill(cluster, variant, HOME[n], runs[n] + "-warm", accounts[n], WARM * keys,
+                  producer)
+        if not _wait(cluster, [side + "-warm" for side in runs], WARM * keys):
+            raise RuntimeError(f"warm tasks not done in {CAP:.0f} s (logs in {LOG_DIR})")
+        for n, variant in enumerate(variants):
+            _fill(cluster, variant, queues[n], runs[n], accounts[n], tasks, producer)
+    order = (first, 1 - first)
+    control = cluster.app.control
+    for n in order:
+        control.add_consumer(queues[n], destination=[cluster.client_hostnames[n]],
+                             reply=True, timeout=5)
+    drained = _wait(cluster, runs, tasks)
+    for n in order:
+        control.cancel_consumer(queues[n], destination=[cluster.client_hostnames[n]],
+                                reply=True, timeout=5)
+    if not drained:
+        raise RuntimeError(f"measured tasks not done in {CAP:.0f} s (logs in {LOG_DIR})")
+    per_s, window = rates([cluster.intervals(side) for side in runs])
+    return {"variants": variants, "per_s": per_s, "window": window}
+
+
+def summary(variant: str, passes: Sequence[dict[str, Any]]) -> str:
+    ratios = [p["per_s"][p["variants"].index(variant, 1 if variant == "plain" else 0)]
+              / p["per_s"][p["variants"].index("plain")] for p in passes]
+    spread = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+    return (f"{variant} / plain, side by side: mean {statistics.mean(ratios):.3f} "
+            f"± {spread:.3f} (standard error), median {statistics.median(ratios):.3f}, "
+            f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} passes")
+
+
+def main() -> None:
+    options = parse_flood(flood_parser("python -m benchmarks.side_by_side", keys=1, passes=8,
+                                       plain=True))
+    database, drop = create_database()
+    passes = []
+    try:
+        DurabilitySemaphore.migrate(database)
+        with running(suite_config(database, SEMAPHORES), clients=2, pool=options.pool,
+                     concurrency=1 if options.pool == "solo" else 4, log_dir=LOG_DIR,
+                     label="side-by-side", queues=HOME) as cluster:
+            for n in range(options.passes):
+                pair = ("plain", options.variant)
+                variants = pair if n % 2 == 0 else pair[::-1]
+                result = one_pass(cluster, variants, tasks=options.tasks,
+                                  keys=options.keys, first=(n // 2) % 2)
+                passes.append(result)
+                print(f"  pass {n + 1}: " + ", ".join(
+                    f"worker {w} {v} {r:7.1f}/s" for w, (v, r)
+                    in enumerate(zip(result["variants"], result["per_s"], strict=True)))
+                    + f" over {result['window']:.1f} s", flush=True)
+    finally:
+        drop()
+    print(summary(options.variant, passes))
+
+
+if __name__ == "__main__":
+    main()
