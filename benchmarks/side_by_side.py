@@ -14,16 +14,22 @@
 #   python -m benchmarks.side_by_side [--variant leases] [--keys 1] [--tasks 3000]
 #                                     [--pool threads] [--passes 8]
 #
-# Needs the services of `python -m benchmarks` (Redis, PostgreSQL).
+# Needs the services of `python -m benchmarks` (Redis, PostgreSQL). Prints each pass
+# and the mean ratio, and appends them to benchmarks/results/side_by_side.txt (a log
+# of runs, newest last).
 from __future__ import annotations
 
+import datetime
+import os
 import secrets
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.cluster import Cluster, create_database, running, suite_config
+from benchmarks.cluster import ROOT, Cluster, create_database, running, suite_config
 from benchmarks.measure import FREE_LIMIT
 from benchmarks.plan import SEMAPHORES
 from benchmarks.worker_profile import LOG_DIR, WARM, flood_parser, parse_flood
@@ -32,6 +38,7 @@ from durability_celery import DurabilitySemaphore
 HOME = ("side-0", "side-1")
 """Each worker's own queue, where its warm tasks go."""
 CAP = 120.0
+RESULTS = ROOT / "benchmarks" / "results" / "side_by_side.txt"
 
 
 def _fill(cluster: Cluster, variant: str, queue: str, run: str, accounts: Sequence[str],
@@ -53,15 +60,22 @@ def _wait(cluster: Cluster, runs: Sequence[str], count: int) -> bool:
     return True
 
 
+SKIP = 0.1
+"""The share of each worker's completions left out at its start: a key whose idle
+permits went back while the queues filled waits for a round there (one pass of 16 keys
+gave 0.58 with the window opening at the first start)."""
+
+
 def rates(rows: Sequence[Sequence[tuple[float, float, float]]]) -> tuple[list[float], float]:
-    """Each side's completions per second while all sides ran (from the last first start
-    to the first last end), and that window's length."""
-    start = max(min(row[0] for row in side) for side in rows)
-    end = min(max(row[1] for row in side) for side in rows)
+    """Each side's completions per second while all sides ran, past their first SKIP of
+    completions (from the last such mark to the first last end), and that window's length."""
+    ends = [sorted(row[1] for row in side) for side in rows]
+    start = max(side[int(len(side) * SKIP)] for side in ends)
+    end = min(side[-1] for side in ends)
     window = end - start
     if window <= 0:
         raise RuntimeError("the two workers never ran at the same time")
-    return [sum(start <= row[1] <= end for row in side) / window for side in rows], window
+    return [sum(start < at <= end for at in side) / window for side in ends], window
 
 
 def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
@@ -104,9 +118,19 @@ def summary(variant: str, passes: Sequence[dict[str, Any]]) -> str:
             f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} passes")
 
 
+def _header() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True, check=False).stdout.strip()
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"{now}, commit {commit or '?'}, load average {os.getloadavg()[0]:.2f} before: "
+            f"python -m benchmarks.side_by_side {' '.join(sys.argv[1:])}".rstrip())
+
+
 def main() -> None:
     options = parse_flood(flood_parser("python -m benchmarks.side_by_side", keys=1, passes=8,
                                        plain=True))
+    lines = [_header()]
+    print(lines[0], flush=True)
     database, drop = create_database()
     passes = []
     try:
@@ -120,13 +144,18 @@ def main() -> None:
                 result = one_pass(cluster, variants, tasks=options.tasks,
                                   keys=options.keys, first=(n // 2) % 2)
                 passes.append(result)
-                print(f"  pass {n + 1}: " + ", ".join(
+                lines.append(f"  pass {n + 1}: " + ", ".join(
                     f"worker {w} {v} {r:7.1f}/s" for w, (v, r)
                     in enumerate(zip(result["variants"], result["per_s"], strict=True)))
-                    + f" over {result['window']:.1f} s", flush=True)
+                    + f" over {result['window']:.1f} s")
+                print(lines[-1], flush=True)
     finally:
         drop()
-    print(summary(options.variant, passes))
+    lines.append(f"{options.pool}, {options.keys} key(s), {options.tasks} tasks per worker "
+                 f"per pass: " + summary(options.variant, passes))
+    print(lines[-1])
+    with RESULTS.open("a") as out:
+        out.write("\n".join(lines) + "\n\n")
 
 
 if __name__ == "__main__":
