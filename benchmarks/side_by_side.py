@@ -105,8 +105,13 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
                                 reply=True, timeout=5)
     if not drained:
         raise RuntimeError(f"measured tasks not done in {CAP:.0f} s (logs in {LOG_DIR})")
-    per_s, window = rates([cluster.intervals(side) for side in runs])
-    return {"variants": variants, "per_s": per_s, "window": window}
+    rows = [cluster.intervals(side) for side in runs]
+    per_s, window = rates(rows)
+    # When each worker started, after the earlier one: a late start is a first round
+    # (or a stall) that the window leaves out; printed so an outlying pass can be read.
+    firsts = [min(row[0] for row in side) for side in rows]
+    return {"variants": variants, "per_s": per_s, "window": window,
+            "late": [first - min(firsts) for first in firsts]}
 
 
 def summary(variant: str, passes: Sequence[dict[str, Any]]) -> str:
@@ -147,7 +152,8 @@ def main() -> None:
                 lines.append(f"  pass {n + 1}: " + ", ".join(
                     f"worker {w} {v} {r:7.1f}/s" for w, (v, r)
                     in enumerate(zip(result["variants"], result["per_s"], strict=True)))
-                    + f" over {result['window']:.1f} s")
+                    + f" over {result['window']:.1f} s (first starts +"
+                    + "/+".join(f"{late:.2f}" for late in result["late"]) + " s)")
                 print(lines[-1], flush=True)
     finally:
         drop()
