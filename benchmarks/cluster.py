@@ -49,13 +49,18 @@ def suite_config(database: str, semaphores: dict[str, dict[str, Any]], *,
             "max_held": max_held, "diy_countdown": diy_countdown}
 
 
+def _node_name() -> str:
+    """A worker's node name, known before it starts (for control commands aimed at it)."""
+    return f"bench-{secrets.token_hex(3)}@{socket.gethostname()}"
+
+
 def _spawn(config: dict[str, Any], args: list[str], log: Path, *,
-           hostname: str = "") -> subprocess.Popen[bytes]:
+           hostname: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, **{CONFIG_ENV: json.dumps(config)},
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker",
            "--loglevel=WARNING", "--without-mingle", "--without-gossip",
-           f"--hostname={hostname or f'bench-{secrets.token_hex(3)}@%h'}", *args]
+           f"--hostname={hostname}", *args]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT, start_new_session=True)
@@ -136,10 +141,11 @@ def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int
         redis.Redis.from_url(url).flushdb()
     cluster = Cluster(config)
     procs = [_spawn(config, ["--durability-holder", "-Q", "bench.idle", "--pool=threads",
-                             "--concurrency=1"], log_dir / f"{label}-holder.log")]
+                             "--concurrency=1"], log_dir / f"{label}-holder.log",
+                    hostname=_node_name())]
     try:
         for n in range(clients):
-            hostname = f"bench-{secrets.token_hex(3)}@{socket.gethostname()}"
+            hostname = _node_name()
             cluster.client_hostnames.append(hostname)
             procs.append(_spawn(config, [f"--pool={pool}", f"--concurrency={concurrency}",
                                          *(["-Q", queues[n]] if queues else [])],

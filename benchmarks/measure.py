@@ -18,11 +18,14 @@ WARM_SECONDS = 5.0  # two default round periods and more: every worker's first r
 
 
 def _publish(cluster: Cluster, variant: str, run: str, account: str, limit: int,
-             work: float, count: int, producer: Any) -> None:
+             work: float, count: int, producer: Any, *, queue: str | None = None) -> None:
+    """`count` tasks of `variant` for `account`; to `queue` if given, else as the app
+    routes them (a queue option of None would bypass the default queue)."""
     task = cluster.task(variant)
+    routing = {"queue": queue} if queue else {}
     for _ in range(count):
         task.apply_async(kwargs={"run": run, "account": account, "limit": limit, "work": work,
-                                 "published_at": time.time()}, producer=producer)
+                                 "published_at": time.time()}, producer=producer, **routing)
 
 
 def _settle(cluster: Cluster, run: str, expected: int, cap: float) -> int:

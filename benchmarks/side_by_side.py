@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.cluster import ROOT, Cluster, create_database, running, suite_config
-from benchmarks.measure import FREE_LIMIT
+from benchmarks.measure import FREE_LIMIT, _publish
 from benchmarks.plan import SEMAPHORES
 from benchmarks.worker_profile import LOG_DIR, WARM, flood_parser, parse_flood
 from durability_celery import DurabilitySemaphore
@@ -43,12 +43,10 @@ RESULTS = ROOT / "benchmarks" / "results" / "side_by_side.txt"
 
 def _fill(cluster: Cluster, variant: str, queue: str, run: str, accounts: Sequence[str],
           count: int, producer: Any) -> None:
-    task = cluster.task(variant)
+    """`count` no-op tasks to `queue`, spread over `accounts` in turn, as section 1's."""
     for i in range(count):
-        task.apply_async(kwargs={"run": run, "account": accounts[i % len(accounts)],
-                                 "limit": FREE_LIMIT, "work": 0.0,
-                                 "published_at": time.time()},
-                         queue=queue, producer=producer)
+        _publish(cluster, variant, run, accounts[i % len(accounts)], FREE_LIMIT, 0.0, 1,
+                 producer, queue=queue)
 
 
 def _wait(cluster: Cluster, runs: Sequence[str], count: int) -> bool:
