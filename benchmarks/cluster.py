@@ -61,6 +61,7 @@ def _spawn(config: dict[str, Any], args: list[str], log: Path, *,
     cmd = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker",
            "--loglevel=WARNING", "--without-mingle", "--without-gossip",
            f"--hostname={hostname}", *args]
+    log.parent.mkdir(parents=True, exist_ok=True)  # results/logs/ is not in a clean clone
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT, start_new_session=True)
