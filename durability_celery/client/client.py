@@ -392,7 +392,8 @@ class SemaphoreClient:
 
     def _claimable(self, permit: Permit, now: float) -> bool:
         ledger = self._ledgers[permit.key]
-        return bool(ledger.claimable_grants(permit.group, now, self.claim_margin))
+        return bool(ledger.open_grants
+                    and ledger.claimable_grants(permit.group, now, self.claim_margin))
 
     def _release_idle(self, now: float, *, recheck: bool = False,
                       key: str | None = None) -> None:
@@ -578,11 +579,19 @@ class SemaphoreClient:
                      held: int) -> tuple[DemandEntry, ...]:
         if not wanted or self._capacity is None or not self.handoff_window:
             return tuple(wanted)
-        running = sum(1 for p in self._admitted.values() if p.key == key)
-        room = self._capacity - held - running
+        room = self._capacity - held - self._running_of(key)
         if room <= 0:
             return ()
         return tuple(e.capped(room) for e in wanted)
+
+    def _running_of(self, key: str) -> int:
+        return sum(1 for p in self._admitted.values() if p.key == key)
+
+    def _pool_full_of(self, key: str) -> bool:
+        """The key's own running items fill the room `capacity` gives it: whatever
+        permits are held, _within_room leaves it nothing to ask for."""
+        return (self._capacity is not None and bool(self.handoff_window)
+                and self._running_of(key) >= self._capacity)
 
     def message(self, key: str) -> dict[str, Any]:
         """Build a request (demand + reports) or a sync (reports only); mark it in flight."""
@@ -709,6 +718,10 @@ class SemaphoreClient:
         ledger = self._ledgers.get(key)
         if ledger is None:
             return True  # never asked yet: no permits, no room used
+        # Every arrival held under load asks this: a pool full of the key's own items
+        # (one key's flood) answers it without counting the held permits per group.
+        if self._pool_full_of(key):
+            return False
         now = self._clock()
         uncovered = self._uncovered(key, now)
         if not self._within_room(key, *uncovered):
