@@ -32,9 +32,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+from weakref import WeakSet
 
 from durability_celery.client import SemaphoreClient
 from durability_celery.worker.gate import Gate, Hooks
+from durability_celery.worker.step import unadmitted_active
 from durability_celery.worker.task import (
     HEADER_ENQUEUED_AT,
     HEADER_GROUP,
@@ -73,9 +75,28 @@ class _Request:
 POOL = 4
 
 
+_ACTIVE: list[_Request] = []
+RUNNING = 2
+"""Admitted tasks running in the pool as each admission counts the pool's free slots:
+the worker's count (unadmitted_active) walks every active request."""
+
+
+def _running_elsewhere() -> WeakSet[Any]:
+    """Celery's active requests of a worker running RUNNING admitted tasks (kept alive
+    by the set's owner: _ACTIVE)."""
+    active: WeakSet[Any] = WeakSet()
+    for _ in range(RUNNING):
+        request = _Request()
+        request._durability_release = _nothing
+        _ACTIVE.append(request)
+        active.add(request)
+    return active
+
+
 def make_gate(wakes: list[bool] | None = None) -> Gate:
     """A gate whose wakes (if `wakes`) are recorded for the caller to pump."""
-    hooks = Hooks(handoff=lambda request: None, pool_size=lambda: POOL, busy=lambda: 0,
+    hooks = Hooks(handoff=lambda request: None, pool_size=lambda: POOL,
+                  busy=functools.partial(unadmitted_active, _running_elsewhere()),
                   qos_increment=lambda: None, qos_decrement=lambda: None,
                   wake=lambda collect: None if wakes is None else wakes.append(collect))
     names = [SEMAPHORE] + [f"unused-{i}" for i in range(5)]

@@ -79,15 +79,16 @@ def hold_deadline(app: Any, driver_type: str, configured: float | None) -> float
     return configured
 
 
-def unadmitted_active() -> int:
+def unadmitted_active(active: Any = worker_state.active_requests) -> int:
     """Pool slots taken by requests the gate did not admit (admitted ones carry their
     release hook, and the gate counts those itself).
 
     Pool threads add to and discard from `active_requests` (a WeakSet) as tasks start
     and end, and iterating it meanwhile raises "Set changed size during iteration":
     under load that killed a threads worker's consumer (benchmark, section 2). So the
-    count iterates a copy of its references; `set.copy` runs in C, under the GIL."""
-    refs = worker_state.active_requests.data.copy()
+    count iterates a copy of its references; `set.copy` runs in C, under the GIL.
+    `active`: Celery's active requests (benchmarks.gate_cost passes a set of its own)."""
+    refs = active.data.copy()
     count = 0
     for ref in refs:  # a loop, not sum() over a generator: this runs for every admission
         request = ref()
