@@ -577,21 +577,22 @@ class SemaphoreClient:
 
     def _within_room(self, key: str, wanted: list[DemandEntry],
                      held: int) -> tuple[DemandEntry, ...]:
-        if not wanted or self._capacity is None or not self.handoff_window:
+        if not wanted:
+            return ()
+        room = self._room(key)
+        if room is None:
             return tuple(wanted)
-        room = self._capacity - held - self._running_of(key)
+        room -= held
         if room <= 0:
             return ()
         return tuple(e.capped(room) for e in wanted)
 
-    def _running_of(self, key: str) -> int:
-        return sum(1 for p in self._admitted.values() if p.key == key)
-
-    def _pool_full_of(self, key: str) -> bool:
-        """The key's own running items fill the room `capacity` gives it: whatever
-        permits are held, _within_room leaves it nothing to ask for."""
-        return (self._capacity is not None and bool(self.handoff_window)
-                and self._running_of(key) >= self._capacity)
+    def _room(self, key: str) -> int | None:
+        """How many more items of `key` the pool has room for: `capacity` less the key's
+        running items. None: no bound (no capacity known, or no handoff)."""
+        if self._capacity is None or not self.handoff_window:
+            return None
+        return self._capacity - sum(1 for p in self._admitted.values() if p.key == key)
 
     def message(self, key: str) -> dict[str, Any]:
         """Build a request (demand + reports) or a sync (reports only); mark it in flight."""
@@ -720,12 +721,14 @@ class SemaphoreClient:
             return True  # never asked yet: no permits, no room used
         # Every arrival held under load asks this: a pool full of the key's own items
         # (one key's flood) answers it without counting the held permits per group.
-        if self._pool_full_of(key):
+        room = self._room(key)
+        if room is not None and room <= 0:
             return False
         now = self._clock()
         uncovered = self._uncovered(key, now)
-        if not self._within_room(key, *uncovered):
-            return False
+        wanted, held = uncovered
+        if not wanted or (room is not None and room <= held):
+            return False  # nothing _within_room would ask for
         at = self._due_at(key, ledger, now, uncovered)
         return at is not None and at <= now
 
