@@ -127,6 +127,13 @@ class SemaphoreClient:
         self._idle: dict[tuple[str, str | None], list[tuple[float, Permit]]] = {}
         """(key, group) -> permits whose item ended with nothing queued to pass them to,
         kept until a local time for the next item of that key and group (see pass_on)."""
+        self._unused: set[str] = set()
+        """Keys that may hold grant permits no queued item here will claim: a reply brought
+        grants, or a queued item left (see return_unused)."""
+        self.free_slots: Callable[[], int] | None = None
+        """The pool's free slots now, shared by every key (None: unknown). With it, a key
+        asks for no more than those, whatever its own items hold: permits a busy pool
+        cannot start on would sit here while other workers' items of the key wait."""
 
     @property
     def capacity(self) -> int | None:
@@ -183,6 +190,7 @@ class SemaphoreClient:
             if not groups:
                 del self._queues[item.key]
         self._changed(item.key)
+        self._unused.add(item.key)
         return True
 
     def admit(self, *, limit: int | None = None) -> list[Permit]:
@@ -221,6 +229,36 @@ class SemaphoreClient:
         if permit is not None:
             self._admitted[item_id] = permit
         return permit
+
+    def return_unused(self) -> bool:
+        """Give back the grant permits that an admission just left unclaimed: no queued
+        item of their group is left to take them, or the pool has no slot to start one on.
+        Each is reported claimed and released (cumulative marks, so it is freed once), at
+        once: kept, it would idle here until its claim deadline while others wait."""
+        if not self._unused:
+            return False
+        now = self._clock()
+        returned = False
+        for key in self._unused:
+            ledger = self._ledgers.get(key)
+            if ledger is None or not ledger.open_grants:
+                continue
+            for grant in list(ledger.open_grants.values()):
+                spare = grant.claimable(now, self.claim_margin)
+                if spare:
+                    grant.claimed += spare
+                    grant.released += spare
+                    ledger.returned = True
+            if ledger.returned:
+                self._changed(key)
+                returned = True
+        self._unused.clear()
+        return returned
+
+    def room_changed(self) -> None:
+        """Pool slots came free: keys with queued items may ask again (see free_slots)."""
+        for key in self._queues:
+            self._quiet.pop(key, None)
 
     def _admissible(self, now: float) -> Iterator[Order]:
         """Queued items of groups that hold a permit, oldest first across those groups."""
@@ -354,17 +392,11 @@ class SemaphoreClient:
         return None
 
     def _linger_until(self, key: str, now: float) -> float:
-        """When a permit kept idle at `now` goes back: handoff_linger later, or, while
-        others wait for the key (its last reply was contended or blocked), just in time
-        for the key's next round. Given back between rounds, a permit reaches nobody
-        before that round; kept past it, it idles a whole round_period more while
-        another worker's items wait for it. Measured on the benchmark's rig (1 s tasks,
-        grants only, limit 4): 0.961 of the limit in use, 3 of 8 runs below 0.95,
-        against 0.993 and 1 of 24 with this."""
-        if self.handoff_linger and key in self._urgent:
-            at = self._ledgers[key].round_from(now)
-            if at is not None:
-                return at
+        """When a permit kept idle at `now` goes back: handoff_linger later, or at once
+        while others wait for the key (its last reply was contended or blocked): a
+        contended key's holder runs a round as soon as capacity comes back."""
+        if key in self._urgent:
+            return now  # others wait, and the holder serves them as soon as it hears
         return now + self.handoff_linger
 
     def _may_pass_on(self, permit: Permit, now: float) -> bool:
@@ -523,7 +555,8 @@ class SemaphoreClient:
         """When `key` should send its next message (KeyLedger.due_at), given its
         uncovered items: what due() and asks() both judge by."""
         return ledger.due_at(now, self.claim_margin, timeout=self.request_timeout,
-                             demand=bool(uncovered[0]),
+                             demand=bool(self._within_room(key, *uncovered)),
+                             waiting=bool(uncovered[0]),
                              queued_groups=set(self._queues.get(key, {})),
                              stopping=self._stopped,
                              supersede_at=self._supersede_at(key, ledger, uncovered))
@@ -541,10 +574,12 @@ class SemaphoreClient:
         if (sent is None or self.supersede_after is None or ledger.superseded is not None
                 or self._stopped):
             return None
-        news = ledger.urgent and ledger.report_total() > sent.reported
-        if not news and self.supersede_demand:
-            news = sum(e.count for e in self._within_room(key, *uncovered)) > sent.asked
-        return sent.sent_at + self.supersede_after if news else None
+        if ledger.returned or (ledger.urgent and ledger.report_total() > sent.reported):
+            return sent.sent_at  # capacity back: the holder's prompt round wants it now
+        if self.supersede_demand and (
+                sum(e.count for e in self._within_room(key, *uncovered)) > sent.asked):
+            return sent.sent_at + self.supersede_after
+        return None
 
     def _uncovered(self, key: str, now: float, *,
                    ages: bool = False) -> tuple[list[DemandEntry], int]:
@@ -588,10 +623,13 @@ class SemaphoreClient:
         return tuple(e.capped(room) for e in wanted)
 
     def _room(self, key: str) -> int | None:
-        """How many more items of `key` the pool has room for: `capacity` less the key's
-        running items. None: no bound (no capacity known, or no handoff)."""
+        """How many more items of `key` the pool has room for: its free slots (shared by
+        every key), else `capacity` less the key's running items. None: no bound (no
+        capacity known, or no handoff)."""
         if self._capacity is None or not self.handoff_window:
             return None
+        if self.free_slots is not None:
+            return self.free_slots()
         return self._capacity - sum(1 for p in self._admitted.values() if p.key == key)
 
     def message(self, key: str) -> dict[str, Any]:
@@ -635,6 +673,8 @@ class SemaphoreClient:
         ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped,
                      ask_early=self.ask_early,
                      superseded=superseded)
+        if ledger.open_grants:
+            self._unused.add(key)
         if ledger.urgent:
             self._urgent.add(key)
         else:

@@ -169,11 +169,12 @@ class KeyLedger:
     """The grants that may still have a permit to claim (see claimable_grants)."""
     leases: dict[str, LeaseCopy] = field(default_factory=dict)
     next_request_at: float = 0.0
-    round_period: float = 0.0
     last_round_at: float = -math.inf
     contended: bool = False
     over_limit: bool = False
     blocked: dict[str | None, Blocked] = field(default_factory=dict)
+    returned: bool = False
+    """Unused grant permits were given back since the last message: report at once."""
     in_flight: InFlight | None = None
     superseded: InFlight | None = None
     """An older message still in flight when `in_flight` was sent (see SemaphoreClient)."""
@@ -204,6 +205,7 @@ class KeyLedger:
             self.superseded = self.in_flight
         self.in_flight = InFlight(now, stopped, asked, self.report_total())
         self.last_sent_at = now
+        self.returned = False
 
     def report_total(self) -> int:
         """Claims, draws, releases and stops, summed: it grows with every report to make.
@@ -211,16 +213,10 @@ class KeyLedger:
         return (sum(g.claimed + g.released for g in self.grants.values())
                 + sum(le.drawn + le.released + le.stopped for le in self.leases.values()))
 
-    def round_from(self, at: float) -> float | None:
-        """The first local time at or after `at` when a message still makes one of the
-        key's rounds, projected every round_period from next_request_at; None: unknown
-        (no reply applied yet: round_period is set with next_request_at)."""
-        if self.round_period <= 0:
-            return None
-        if at <= self.next_request_at:
-            return self.next_request_at
-        return self.next_request_at + math.ceil(
-            (at - self.next_request_at) / self.round_period) * self.round_period
+    def _nothing_in_use(self) -> bool:
+        """No grant permit of the key in use here (a key with leases keeps its cadence:
+        an idle lease goes back on its own, see SemaphoreClient.lease_idle)."""
+        return not self.leases and all(g.claimed <= g.released for g in self.grants.values())
 
     @property
     def urgent(self) -> bool:
@@ -273,8 +269,8 @@ class KeyLedger:
             self.over_limit = reply.over_limit
             self.blocked = {b.group: b for b in reply.blocked}
             # Receipt time plus the holder's wait: a skewed holder clock cannot stall us.
-            self.round_period = max(0.0, reply.next_request_at - reply.round_at)
-            self.next_request_at = now + max(0.0, self.round_period - ask_early)
+            wait = max(0.0, reply.next_request_at - reply.round_at)
+            self.next_request_at = now + max(0.0, wait - ask_early)
         for grant in reply.grants:
             self._apply_grant(grant, reply.round_at, anchor, now)
         acked_stops = in_flight.stopped_leases if in_flight else frozenset()
@@ -440,7 +436,7 @@ class KeyLedger:
     # -- timing --------------------------------------------------------------
 
     def due_at(self, now: float, margin: float, *, timeout: float, demand: bool,
-               queued_groups: set[str | None], stopping: bool,
+               queued_groups: set[str | None], stopping: bool, waiting: bool = False,
                supersede_at: float | None = None) -> float | None:
         """Earliest local time this key should send a message (<= now: due), None: never.
 
@@ -455,9 +451,23 @@ class KeyLedger:
                 at = min(at, max(supersede_at, self.backoff_until))
             return at
         gate = max(self.next_request_at, self.backoff_until)
-        urgent = self.urgent or stopping
-        prompt = self.backoff_until if urgent else gate
-        times = [gate] if demand else []
+        # Reports go at once while others wait, when unused permits went back, and when
+        # the key has nothing queued or in use here: its final releases free capacity.
+        prompt = (self.backoff_until
+                  if self.urgent or stopping or self.returned
+                  or (not queued_groups and self._nothing_in_use())
+                  else gate)
+        # Demand the pool has room for asks at once on a free key (its holder admits it in
+        # one round trip); on a contended one at next_request_at, which the holder makes
+        # `now` for clients it left blocked, and holds their requests until capacity
+        # comes back. Items with no room still talk every round_period (a reply may say
+        # over_limit).
+        if demand:
+            times = [gate if self.urgent else self.backoff_until]
+        elif waiting:
+            times = [gate]
+        else:
+            times = []
         for g in self.grants.values():
             if g.unreported():
                 times.append(prompt)

@@ -1,10 +1,13 @@
 # When the holder runs a round or a reclaim for each key: the waiting requests,
 # the round timer and the claim-deadline alarm, with no I/O and no clock (`now`
-# is always a parameter). Rules: at most one job per key at a time; a key's
-# round starts at last round + round_period + a moment to gather the clients its
-# replies told to ask then, or, for a request arriving after that moment (or on a
-# key with no round yet), round_wait after it arrives; and finding what is due
-# costs what is due, not every key known (a heap of wake times).
+# is always a parameter). Rules: at most one job per key at a time; a free key
+# (its last round served all its demand, or it has had none) runs a request
+# within a moment of its arrival; a contended key (its last round left demand
+# unmet) batches: its round starts at last round + round_period + a moment to
+# gather the clients its replies told to ask then, or promptly once a request
+# brings capacity back (a release, a returned or stopped permit), since only
+# capacity coming back can serve the demand that waits; and finding what is
+# due costs what is due, not every key known (a heap of wake times).
 from __future__ import annotations
 
 import heapq
@@ -29,6 +32,36 @@ report, a new client) would otherwise start the round at that very instant,
 and the requests sent on time, a few milliseconds later, would miss it and
 wait a whole period: measured, that made permits released by one worker reach
 another's queued work one period late."""
+
+
+PROMPT = 0.02
+"""Seconds a prompt round waits to coalesce: the round of a free key after its first
+waiting request, and a contended key's round after a request that brings capacity
+back. Also the closest two rounds of one key ever run, so a chatty client cannot
+make its key's rounds a hot loop."""
+FREE_GATHER = 0.002
+"""A free key's round waits this long after its first waiting request: enough to take
+the requests sent together with it, short enough that a key whose budget covers its
+demand admits in about one round trip."""
+
+
+def frees(body: dict[str, Any]) -> int:
+    """What a request's reports have given back in all: released permits of its grants
+    and leases and stopped leases (cumulative, so it only grows per client). A hint for
+    scheduling only; the round validates and applies the reports themselves."""
+    total = 0
+    for field_name, count in (("grants", "released"), ("leases", "released")):
+        reports = body.get(field_name)
+        if not isinstance(reports, list):
+            continue
+        for report in reports:
+            if isinstance(report, dict):
+                value = report.get(count)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    total += value
+                if report.get("stopped") is True:
+                    total += 1
+    return total
 
 
 def gathering_moment(round_wait: float) -> float:
@@ -80,6 +113,12 @@ class _Slot:
     """The earliest wake time of this slot in the heap (others there are stale). Rule:
     a slot that is not busy and has something pending (requests, an alarm, or a last
     round that still spaces the next) has a wake at or before its due time."""
+    contended: bool = False
+    """The key's last round left demand unmet (or it is over its limit): rounds batch."""
+    given_back: dict[str, int] = field(default_factory=dict)
+    """client_id -> the highest `frees` total seen from it, to tell news from repeats."""
+    freed_at: float | None = None
+    """Arrival of the first waiting request that brought capacity back."""
 
 
 class Batcher:
@@ -102,8 +141,24 @@ class Batcher:
         slot = self._slots.setdefault(key_id, _Slot())
         slot.waiting.append(request)
         self._waiting += 1
+        client = request.body.get("client_id")
+        if isinstance(client, str):
+            total = frees(request.body)
+            if total > slot.given_back.get(client, 0):
+                slot.given_back[client] = total
+                if slot.freed_at is None:
+                    slot.freed_at = request.arrived_at
         if not slot.busy:
             self._reschedule(key_id, slot)
+
+    def freed(self, key_id: KeyId, now: float) -> None:
+        """Capacity of the key came back without a request (a reclaim): what waits for it
+        gets a prompt round."""
+        slot = self._slots.get(key_id)
+        if slot is not None and slot.freed_at is None:
+            slot.freed_at = now
+            if not slot.busy:
+                self._reschedule(key_id, slot)
 
     def set_alarm(self, key_id: KeyId, deadline: float) -> None:
         """Follow `deadline` if it is earlier than the alarm already set for the key."""
@@ -130,16 +185,22 @@ class Batcher:
     def _round_at(self, key_id: KeyId, slot: _Slot) -> float:
         round_wait, round_period = self._timing(key_id[0])
         first = slot.waiting[0].arrived_at
-        if slot.last_round_at is not None:
-            told = _told_at(slot.last_round_at, round_wait, round_period)
-            if first < told:
-                # It waited for the period, and the clients the last round told to ask
-                # at its end are gathered by `told`. Holding it a full round_wait past
-                # its arrival as well made a contended key's rounds round_period +
-                # round_wait apart (3 s at the defaults, not 2), and each permit that
-                # moved between workers idled that much longer (probes, 2026-12-01).
-                return told
-        return first + round_wait
+        last = slot.last_round_at
+        if not slot.contended:
+            at = first + min(FREE_GATHER, round_wait)
+        else:
+            at = first + round_wait
+            if last is not None:
+                told = _told_at(last, round_wait, round_period)
+                if first < told:
+                    # It waited for the period, and the clients the last round told to
+                    # ask at its end are gathered by `told`, not a round_wait later.
+                    at = told
+            if slot.freed_at is not None:
+                at = min(at, slot.freed_at + min(PROMPT, round_wait))
+        if last is not None:
+            at = max(at, last + min(PROMPT, round_wait))
+        return at
 
     def _wake(self, key_id: KeyId, slot: _Slot, at: float) -> None:
         if slot.wake_at is None or at < slot.wake_at:
@@ -174,6 +235,7 @@ class Batcher:
             self._waiting -= len(batch)
             slot.busy = True
             slot.last_round_at = now
+            slot.freed_at = None
             return Round(key_id, tuple(batch))
         if slot.alarm_at is not None and slot.alarm_at <= now:
             slot.busy = True
@@ -206,18 +268,22 @@ class Batcher:
             return False
         return now >= self._forget_at(key_id, slot)
 
-    def finished(self, key_id: KeyId, *, round_at: float | None = None) -> None:
+    def finished(self, key_id: KeyId, *, round_at: float | None = None,
+                 contended: bool | None = None) -> None:
         """The key's job ended (committed or failed): it may run the next one.
 
         `round_at` is the time the round itself recorded (taken a little after
         it was started); the next round is spaced from it, so the times clients
-        see are never closer than round_period.
+        see are never closer than round_period. `contended`: whether the round
+        left demand unmet (None: a reclaim or a failed round, which tell nothing).
         """
         slot = self._slots.get(key_id)
         if slot is not None:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
+            if contended is not None:
+                slot.contended = contended
             self._reschedule(key_id, slot)
 
     def next_wake(self) -> float | None:

@@ -163,6 +163,8 @@ class Dispatcher(threading.Thread):
             now = self._clock()
             deadline = now + RETRY_AFTER_FAILURE if event.failed else event.deadline
             self._batcher.replace_alarm(event.key_id, deadline, now=now)
+            if not event.failed:
+                self._batcher.freed(event.key_id, now)
         elif isinstance(event, _ScanDone):
             self._running -= 1
             for key_id, deadline in event.deadlines:
@@ -175,7 +177,8 @@ class Dispatcher(threading.Thread):
     def _round_done(self, event: _RoundDone) -> None:
         self._running -= 1
         key_id = event.job.key_id
-        self._batcher.finished(key_id, round_at=_round_at(event.responses))
+        self._batcher.finished(key_id, round_at=_round_at(event.responses),
+                               contended=_contended(event.responses))
         if event.responses is None:
             answers: Iterable[dict[str, Any]] = [
                 error_reply("unavailable", "the holder's database failed; ask again later")
@@ -295,6 +298,14 @@ def _round_at(responses: list[dict[str, Any]] | None) -> float | None:
         if isinstance(at, int | float) and not isinstance(at, bool):
             return float(at)
     return None
+
+
+def _contended(responses: list[dict[str, Any]] | None) -> bool | None:
+    """Whether a round left demand unmet or the key over its limit (None: it failed)."""
+    if responses is None:
+        return None
+    return any(r.get("contended") or r.get("blocked") or r.get("over_limit")
+               for r in responses if "error" not in r)
 
 
 def _log_failure(what: str, key_id: KeyId, exc: Exception) -> None:

@@ -160,6 +160,8 @@ class Gate:
         While it is False no key is waited on, and the per-task paths skip asking the
         client about their own key."""
         self._turn = 0
+        for client in self.clients.values():
+            client.free_slots = self._free
         # Correlation ids: unique per gate without a urandom call per message.
         self._correlation = itertools.count()
         self._correlation_prefix = uuid.uuid4().hex[:12]
@@ -314,14 +316,26 @@ class Gate:
                 self._start_passed()
                 self._admit()
                 self._raise_for_idle_pool()
-                return []
+                if not self._return_unused():
+                    return []
             now = self.clock()
             self._hand_back_overdue(now)
             self._drop_revoked()
             self._start_passed()
             self._admit()
             self._raise_for_idle_pool()
+            self._return_unused()
+            if self.state.held and self._free() > 0:
+                for client in self.clients.values():
+                    client.room_changed()
             return self._collect_due(now)
+
+    def _return_unused(self) -> bool:
+        """Grant permits an admission left unclaimed go back at once (return_unused)."""
+        returned = False
+        for client in self.clients.values():
+            returned = client.return_unused() or returned
+        return returned
 
     def _raise_for_idle_pool(self) -> None:
         """A message held while the hold was at its limit raised no prefetch, and takes

@@ -42,6 +42,9 @@ also made a Redis restart crash the worker in kombu every time; guard_connection
 fixes that.)"""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
+HANDOFF_LINGER = 0.25
+"""Seconds a permit whose task ended waits for the next task of its key, when nobody
+else waits for the key (SemaphoreClient.handoff_linger)."""
 CHAIN_BUDGET = 1.0
 """Seconds a solo worker runs admitted tasks back to back before Celery's loop turns
 (GateStep.run_deferred). Handing each task to the loop's next turn instead cost up to a
@@ -150,12 +153,12 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def _client(self, name: str, semaphore: DurabilitySemaphore) -> SemaphoreClient:
         config = semaphore.config
-        # A permit whose task ended with nothing queued waits up to round_wait for the
-        # next task of its key and group: given back, it would reach another worker
-        # no sooner than a round, which waits round_wait for its batch anyway.
+        # A permit whose task ended with nothing queued waits a moment for the next task
+        # of its key and group (a full pool fetches it only as a task ends); no longer,
+        # so that a key whose work is done reads free soon after.
         return self.durability.semaphore_client(
             name, client_id=self.client_id, handoff_window=semaphore.handoff_window,
-            handoff_linger=config.round_wait,
+            handoff_linger=min(HANDOFF_LINGER, config.round_wait),
             # News sent by then reaches the holder within the round_wait it holds the
             # first request of a round for.
             supersede_after=config.round_wait / 2, supersede_demand=config.leases is None)

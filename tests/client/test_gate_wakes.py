@@ -107,9 +107,8 @@ def test_a_release_on_the_event_loop_starts_its_successor_without_a_pump() -> No
     gate.loop_thread = threading.get_ident()  # a prefork pool's results arrive here
     waiting, other = FakeRequest(), FakeRequest(key="acct-2")
     gate.submit(waiting)
-    gate.submit(other)  # no permit for acct-2 yet: asks the holder
-    assert loop.take_wakes() == [True]
-    gate.pump()
+    gate.submit(other)  # no permit for acct-2, and no free slot to ask one for
+    assert loop.take_wakes() == []
     first.on_success(None)
     assert loop.started == [first.id, waiting.id] and loop.qos == 1
     assert loop.take_wakes() == []  # the successor took the only slot: nothing to pump for
@@ -132,11 +131,12 @@ def test_an_event_loop_release_whose_successor_was_the_last_held_wakes_nothing()
 def test_a_freed_slot_wakes_the_pump_for_a_request_of_another_key() -> None:
     gate, loop, first = leased_gate(pool=1)
     other = FakeRequest(key="acct-2")
-    gate.submit(other)
-    assert loop.take_wakes() == [True]
-    gate.pump()  # asks the holder for acct-2
+    gate.submit(other)  # the pool is full: nothing to ask for acct-2 yet
+    assert loop.take_wakes() == []
     first.on_success(None)  # nothing of KEY is held, but the slot is free now
     assert loop.take_wakes() == [False]
+    (message,) = gate.pump()  # the timer's pump asks for acct-2 now
+    assert message.key == "acct-2"
 
 
 def test_a_contended_key_sends_its_news_at_once() -> None:

@@ -154,8 +154,9 @@ SHARED_SEMAPHORES: dict[str, dict[str, Any]] = {
     # has its own semaphore settings here and its own keys
     "batch": {"limit": 20, "round_wait": 1.0, "round_period": 1.5},
     "many": {"limit": 2, "round_wait": 0.05, "round_period": 0.1, "grant_timeout": 5.0},
-    "period": {"limit": 5, "round_wait": 0.05, "round_period": 0.6},
-    "told": {"limit": 5, "round_wait": 1.0, "round_period": 0.6},
+    # Limit 0: a key with demand stays contended, so its rounds are batched by period.
+    "period": {"limit": 0, "round_wait": 0.05, "round_period": 0.6},
+    "told": {"limit": 0, "round_wait": 1.0, "round_period": 0.6},
     "alarm": {"limit": 3, "round_wait": 0.05, "round_period": 0.1, "grant_timeout": 1.5},
     "alarm-leases": {"limit": 3, "round_wait": 0.05, "round_period": 0.1,
                      "grant_timeout": 1.5, "per_lease": 2},

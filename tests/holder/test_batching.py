@@ -1,12 +1,21 @@
 # The holder's scheduling rules with a fake clock: when each key's round
-# starts, that keys never run two jobs at once, and the claim-deadline alarm.
+# starts (a free key's at once, a contended key's batched, promptly when capacity
+# comes back), that keys never run two jobs at once, and the claim-deadline alarm.
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from durability_celery.holder.batching import GATHER, Batcher, Reclaim, Round, Waiting
+from durability_celery.holder.batching import (
+    FREE_GATHER,
+    GATHER,
+    PROMPT,
+    Batcher,
+    Reclaim,
+    Round,
+    Waiting,
+)
 
 WAIT, PERIOD = 1.0, 2.0
 K = ("jobs", "acct-1")
@@ -17,35 +26,53 @@ def batcher() -> Batcher:
     return Batcher(lambda semaphore: (WAIT, PERIOD), max_batch=3)
 
 
-def req(at: float, n: int = 0) -> Waiting:
-    return Waiting({"n": n}, "reply", f"c{n}", at)
+def req(at: float, n: int = 0, *, released: int | None = None) -> Waiting:
+    body: dict[str, object] = {"n": n}
+    if released is not None:
+        body.update(client_id=f"client-{n}",
+                    grants=[{"grant_id": "g", "claimed": released, "released": released}])
+    return Waiting(body, "reply", f"c{n}", at)
 
 
 def after_one_round() -> Batcher:
-    """K had its round at 1.0, so its replies said next_request_at = 3.0."""
+    """K had its round at 1.0 and left demand unmet: its blocked clients were told to
+    ask again, and their requests wait for the period (3.0) or for capacity."""
     b = batcher()
     b.add(K, req(0.0, 1))
     b.take_due(1.0)
-    b.finished(K)
+    b.finished(K, contended=True)
     return b
 
 
-def test_requests_inside_round_wait_share_one_round() -> None:
+def test_a_free_key_runs_a_request_within_a_moment() -> None:
     b = batcher()
     b.add(K, req(10.0, 1))
-    b.add(K, req(10.4, 2))
-    assert b.take_due(10.9) == []
-    assert b.next_wake() == 11.0
-    (job,) = b.take_due(11.0)
-    assert isinstance(job, Round)
-    assert [r.body["n"] for r in job.requests] == [1, 2]
+    b.add(K, req(10.001, 2))  # sent together with it
+    assert b.round_at(K) == 10.0 + FREE_GATHER
+    (job,) = b.take_due(10.0 + FREE_GATHER)
+    assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [1, 2]
+    b.finished(K, contended=False)
+    b.add(K, req(10.005, 3))  # more demand just after: no period to wait, but spaced
+    assert b.round_at(K) == pytest.approx(10.0 + FREE_GATHER + PROMPT)
 
 
-def test_rounds_of_one_key_are_round_period_apart() -> None:
-    b = batcher()
-    b.add(K, req(0.0, 1))
-    assert len(b.take_due(1.0)) == 1
-    b.finished(K)
+def test_a_contended_key_batches_until_capacity_comes_back() -> None:
+    b = after_one_round()
+    b.add(K, req(1.01, 2))  # a blocked client asking again at once: waits for the period
+    assert b.round_at(K) == 3.0 + GATHER
+    b.add(K, req(1.5, 3, released=1))  # a release: its round runs a moment later
+    assert b.round_at(K) == 1.5 + PROMPT
+    (job,) = b.take_due(1.5 + PROMPT)
+    assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2, 3]
+    b.finished(K, contended=True)
+    b.add(K, req(1.6, 3, released=1))  # the same report again is no news
+    assert b.round_at(K) == pytest.approx(1.5 + PROMPT + PERIOD + GATHER)
+    b.freed(K, 1.7)  # a reclaim gave capacity back
+    assert b.round_at(K) == pytest.approx(1.7 + PROMPT)
+
+
+def test_rounds_of_one_contended_key_are_round_period_apart() -> None:
+    b = after_one_round()
     b.add(K, req(1.5, 2))  # its round_wait ends at 2.5, the period at 3.0
     assert b.round_at(K) == 3.0 + GATHER
     assert b.take_due(3.0) == []
@@ -70,7 +97,7 @@ def test_a_request_sent_when_told_starts_the_round_a_gathering_moment_later() ->
     assert b.take_due(3.0 + GATHER - 0.001) == []
     (job,) = b.take_due(3.0 + GATHER)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2]
-    b.finished(K)  # next_request_at = 3.0 + GATHER + PERIOD
+    b.finished(K, contended=True)  # next_request_at = 3.0 + GATHER + PERIOD
     b.add(K, req(3.0 + GATHER + PERIOD + 0.004, 3))
     assert b.round_at(K) == pytest.approx(3.0 + 2 * GATHER + PERIOD)
 
@@ -93,7 +120,7 @@ def test_the_gathering_moment_never_exceeds_round_wait() -> None:
     b = Batcher(lambda semaphore: (0.01, 0.05))
     b.add(K, req(0.0, 1))
     b.take_due(0.01)
-    b.finished(K)
+    b.finished(K, contended=True)
     b.add(K, req(0.02, 2))
     assert b.round_at(K) == 0.01 + 0.05 + 0.01
 
@@ -117,7 +144,7 @@ def test_batches_are_capped_and_the_rest_waits_for_the_next_round() -> None:
         b.add(K, req(0.0, n))
     (job,) = b.take_due(1.0)
     assert isinstance(job, Round) and len(job.requests) == 3
-    b.finished(K)
+    b.finished(K, contended=True)
     assert b.round_at(K) == 3.0 + GATHER
     (job,) = b.take_due(3.0 + GATHER)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [3, 4]
@@ -158,7 +185,8 @@ def test_idle_keys_are_forgotten_after_their_period_and_gathering_moment() -> No
     assert b.round_at(K) is None
     b.take_due(3.0 + GATHER)
     b.add(K, req(3.0 + GATHER, 2))
-    assert b.round_at(K) == 4.0 + GATHER  # the old last round no longer delays it
+    # Forgotten, the key is new again: the old last round no longer delays it.
+    assert b.round_at(K) == 3.0 + GATHER + FREE_GATHER
 
 
 def test_an_idle_key_keeps_its_gathering_moment_for_the_requests_told_to_come() -> None:
@@ -197,7 +225,8 @@ def test_the_next_round_is_spaced_from_the_time_the_round_recorded() -> None:
     b = batcher()
     b.add(K, req(0.0, 1))
     b.take_due(1.0)
-    b.finished(K, round_at=1.02)  # the round read its clock a little after it started
+    # The round read its clock a little after it started.
+    b.finished(K, round_at=1.02, contended=True)
     b.add(K, req(1.5, 2))
     assert b.round_at(K) == 1.02 + PERIOD + GATHER
 
@@ -223,7 +252,7 @@ def test_a_key_whose_reclaim_found_no_deadline_is_forgotten() -> None:
     assert b.take_due(5.0) == []
     assert b.next_wake() is None  # nothing left to wake for: the slot is gone
     b.add(K, req(6.0, 1))
-    assert b.round_at(K) == 7.0
+    assert b.round_at(K) == 6.0 + FREE_GATHER
 
 
 def test_finding_what_is_due_does_not_visit_every_key() -> None:
@@ -242,16 +271,17 @@ def test_finding_what_is_due_does_not_visit_every_key() -> None:
     asked.clear()
     assert b.take_due(50.0) == [Round(K, (req(0.0, -1),))]
     assert len(asked) <= 2
-    assert b.next_wake() == 101.0  # K is busy: the first of the others is next
+    assert b.next_wake() == 100.0 + FREE_GATHER  # K is busy: the first of the others
     b.finished(K)
     assert b.next_wake() == 50.0 + PERIOD + GATHER  # K may be forgotten then
-    jobs = b.take_due(101.0 + 0.0005)  # and the first of the 10,000 is due
+    jobs = b.take_due(100.0 + FREE_GATHER + 0.0005)  # and the first of the 10,000 is due
     assert [j.key_id for j in jobs] == [("jobs", "bulk-0")]
     assert len(asked) <= 6
-    assert b.round_at(K) is None and b.next_wake() == 101.001
+    assert b.round_at(K) is None and b.next_wake() == 100.001 + FREE_GATHER
 
 
-@given(st.lists(st.tuples(st.sampled_from(["add", "alarm", "tick", "finish"]),
+@given(st.lists(st.tuples(st.sampled_from(["add", "release", "alarm", "tick", "finish",
+                                           "contend"]),
                           st.integers(0, 4), st.floats(0.0, 3.0)), max_size=80))
 @settings(max_examples=300, deadline=None)
 def test_take_due_returns_exactly_the_due_jobs_and_wakes_are_never_late(
@@ -267,11 +297,13 @@ def test_take_due_returns_exactly_the_due_jobs_and_wakes_are_never_late(
         key = keys[n]
         if op == "add":
             b.add(key, req(now + x / 10, n))
+        elif op == "release":
+            b.add(key, req(now + x / 10, n, released=int(x * 10)))
         elif op == "alarm":
             b.set_alarm(key, now + x)
-        elif op == "finish" and key in busy:
+        elif op in ("finish", "contend") and key in busy:
             busy.discard(key)
-            b.finished(key)
+            b.finished(key, contended=op == "contend")
         elif op == "tick":
             now += x
             due = {}
