@@ -85,10 +85,6 @@ def _define_admitted(app: Celery, semaphore: str, body: Any) -> None:
              key="account", shared=False)(admitted)
 
 
-if CONFIG_ENV in os.environ:
-    app, durability = make_app(json.loads(os.environ[CONFIG_ENV]))
-
-
 def _define_fleet(app: Celery, semaphore: str | None, body: Any) -> None:
     """`fleet.<semaphore>` (admitted, keyed by account and grouped by group), or
     `fleet.plain` for None: their ledger lines say which key, group and worker ran them,
@@ -102,3 +98,7 @@ def _define_fleet(app: Celery, semaphore: str | None, body: Any) -> None:
     else:
         app.task(name=f"fleet.{semaphore}", base=AdmittedTask, semaphore=semaphore,
                  key="account", group="group", shared=False)(fleet)
+
+
+if CONFIG_ENV in os.environ:
+    app, durability = make_app(json.loads(os.environ[CONFIG_ENV]))
