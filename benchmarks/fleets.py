@@ -15,11 +15,12 @@
 #
 # Needs the services of `python -m benchmarks` (Redis, PostgreSQL). Prints each run
 # and the summary with its targets; writes the summary to benchmarks/results/fleets.txt
-# (the latest run's) and docs/benchmarks-fleets.png. `python -m benchmarks` runs the
-# same as its section "fleets".
+# and the rows to fleets.json (the latest run's), and docs/benchmarks-fleets.png.
+# `python -m benchmarks` runs the same as its section "fleets".
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import secrets
 import statistics
@@ -241,19 +242,24 @@ def analyze(rows: Sequence[Row], deployment: Deployment, keys: Sequence[str],
 # The runs.
 
 def settle(cluster: Cluster, variant: str, keys: Sequence[str],
-           last_end: float) -> tuple[float | None, dict[int, tuple[int, int]]]:
+           last_end: float) -> dict[str, Any]:
     """Seconds from the last task's end until every key's usage reads no outstanding
-    permit and no lease footprint (None: not within USAGE_CAP), and what each key still
-    held (outstanding, lease footprint) at the last reading."""
+    permit and no lease footprint (None: not within USAGE_CAP); what all keys held at the
+    first reading (outstanding, lease footprint), which says which of the two lingers; and
+    what each key still held at the cap."""
     semaphore = cluster.durability.semaphores[variant]
+    first: tuple[int, int] | None = None
     while True:
         at = time.time()
         found = [semaphore.usage(key) for key in keys]
-        held = {n: (u.outstanding, u.lease_footprint) for n, u in enumerate(found) if u.in_use}
+        if first is None:
+            first = (sum(u.outstanding for u in found), sum(u.lease_footprint for u in found))
+        held = {str(n): (u.outstanding, u.lease_footprint)
+                for n, u in enumerate(found) if u.in_use}
         if not held:
-            return max(0.0, at - last_end), {}
+            return {"settle_s": max(0.0, at - last_end), "held_first": first, "stranded": {}}
         if at - last_end > USAGE_CAP:
-            return None, held
+            return {"settle_s": None, "held_first": first, "stranded": held}
         time.sleep(USAGE_POLL)
 
 
@@ -281,9 +287,7 @@ def one_run(cluster: Cluster, deployment: Deployment, variant: str,
              in enumerate(zip(cluster.client_hostnames, deployment.workers, strict=True))}
     result["per_worker"] = dict(Counter(names.get(r.worker, r.worker) for r in rows))
     if variant != "plain":
-        result["settle_s"], stranded = settle(cluster, variant, keys,
-                                              max(r.end for r in rows))
-        result["stranded"] = {str(k): v for k, v in stranded.items()}
+        result.update(settle(cluster, variant, keys, max(r.end for r in rows)))
     return result
 
 
@@ -308,11 +312,13 @@ def describe(row: dict[str, Any]) -> str:
     if "efficiency" not in row:
         return f"{head} no task ran"
     notes = []
-    if row["variant"] != "plain":
+    if row["variant"] != "plain":  # plain Celery has no limit to keep
         notes.append("usage 0 after " + ("> 15 s" if row["settle_s"] is None
-                                          else f"{row['settle_s']:.2f} s"))
-    if row["over_limit"]:
-        notes.append(f"OVER LIMIT {row['over_limit']}")
+                                          else f"{row['settle_s']:.2f} s")
+                     + " (at the last end: {} outstanding, {} leased)".format(
+                         *row["held_first"]))
+        if row["over_limit"]:
+            notes.append(f"OVER LIMIT {row['over_limit']}")
     if row["done"] < row["tasks"]:
         notes.append(f"{row['done']} of {row['tasks']} done")
     return (f"{head} efficiency {row['efficiency']:.2f} ({row['makespan_s']:.1f} s, ideal "
@@ -365,6 +371,9 @@ def main() -> None:
     text = "\n".join([*machine_lines(before, machine(), command, time.time() - started), "",
                       *fleet_lines(rows)]) + "\n"
     FLEET_TEXT.write_text(text)
+    # the rows too, so the summary and plot can be drawn again without a rerun
+    FLEET_TEXT.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "machine_before": before, "rows": rows}, indent=1) + "\n")
     print("\n" + text)
     print(f"plot: {fleet_plot(rows, FLEET_PLOT)}")
 
