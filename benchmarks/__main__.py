@@ -15,6 +15,7 @@ from typing import Any
 
 from benchmarks import measure
 from benchmarks.cluster import create_database, running, suite_config
+from benchmarks.fleets import run_fleets
 from benchmarks.plan import SEMAPHORES, Plan, between_plain, customize, make_plan
 from benchmarks.report import RESULTS, machine, render_plots, render_text
 from benchmarks.scale import bench_scale
@@ -106,7 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: "
-                        "overhead,contention,scale")
+                        "overhead,contention,scale,fleets")
     parser.add_argument("--keep", action="store_true", help="keep the skipped sections' "
                         "figures from the last results file, marked with that run's time")
     parser.add_argument("--passes", type=int, help="overhead passes per pool and key "
@@ -142,6 +143,9 @@ def main() -> None:
                                            seconds=plan.scale_seconds)
             _say(f"  {results['scale']['rounds_per_s']:.0f} rounds/s, "
                  f"{results['scale']['sql_ms_per_round']:.2f} SQL ms/round")
+        if "fleets" not in skip:
+            _say("fleets (plain Celery and admitted bursts on the same workers)")
+            results["fleets"] = run_fleets(database, passes=plan.fleet_passes, say=_say)
     finally:
         drop()
     results["machine_after"] = machine()
@@ -152,7 +156,7 @@ def main() -> None:
 
 
 SECTIONS = {"overhead": ("overhead",), "contention": ("utilization", "latency"),
-            "scale": ("scale",)}
+            "scale": ("scale",), "fleets": ("fleets",)}
 
 
 def keep_skipped(results: dict[str, Any], plan: Plan, skip: set[str]) -> None:

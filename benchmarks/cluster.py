@@ -118,9 +118,13 @@ class Cluster:
     def task(self, variant: str) -> Any:
         return self.app.tasks[f"bench.{variant}"]
 
-    def intervals(self, run: str) -> list[tuple[float, float, float]]:
+    def lines(self, run: str) -> list[list[str]]:
+        """The run's ledger lines, split into their fields (benchmarks/app.py)."""
         rows = self.ledger.lrange(f"iv:{run}", 0, -1)
-        return [(float(a), float(b), float(c)) for a, b, c in (r.split() for r in rows)]
+        return [str(row).split() for row in rows]  # str already: decode_responses
+
+    def intervals(self, run: str) -> list[tuple[float, float, float]]:
+        return [(float(a), float(b), float(c)) for a, b, c, *_ in self.lines(run)]
 
     def done(self, run: str) -> int:
         return int(self.ledger.llen(f"iv:{run}"))
@@ -134,10 +138,13 @@ class Cluster:
 
 
 @contextmanager
-def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int,
-            log_dir: Path, label: str, queues: Sequence[str] = ()) -> Iterator[Cluster]:
-    """The holder and `clients` client workers; client n consumes `queues[n]` if given,
-    else Celery's default queue."""
+def running(config: dict[str, Any], *, clients: int = 0, pool: str = "threads",
+            concurrency: int = 1, log_dir: Path, label: str, queues: Sequence[str] = (),
+            workers: Sequence[tuple[str, int]] = ()) -> Iterator[Cluster]:
+    """The holder and `clients` client workers of one pool and concurrency, or one per
+    (pool, concurrency) in `workers` for a mixed fleet; client n consumes `queues[n]` if
+    given, else Celery's default queue."""
+    workers = list(workers) or [(pool, concurrency)] * clients
     for url in (config["broker_url"], config["ledger_url"]):
         redis.Redis.from_url(url).flushdb()
     cluster = Cluster(config)
@@ -145,7 +152,7 @@ def running(config: dict[str, Any], *, clients: int, pool: str, concurrency: int
                              "--concurrency=1"], log_dir / f"{label}-holder.log",
                     hostname=_node_name())]
     try:
-        for n in range(clients):
+        for n, (pool, concurrency) in enumerate(workers):
             hostname = _node_name()
             cluster.client_hostnames.append(hostname)
             procs.append(_spawn(config, [f"--pool={pool}", f"--concurrency={concurrency}",

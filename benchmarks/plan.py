@@ -64,6 +64,8 @@ class Plan:
     latency_spacing: float = 0.05
     scale_keys: int = 10_000
     scale_seconds: float = 8.0
+    fleet_passes: int = 3
+    """Passes of each fleet deployment (benchmarks/fleets.py), every variant in each."""
     custom: bool = False
     """Passes, pools or variants narrowed on the command line (`customize`): written to
     files of its own, never over the full run's that docs/benchmarks.md shows."""
@@ -166,7 +168,8 @@ def make_plan(quick: bool) -> Plan:
                     busy_seconds={1.0: 3.0, 0.1: 1.5, 0.01: 1.5},
                     contention_variants=("plain", "diy", "leases", "leases_fast"),
                     latency_variants=("plain", "diy", "leases", "leases_fast", "grants_fast"),
-                    latency_samples=15, scale_keys=500, scale_seconds=2.0)
+                    latency_samples=15, scale_keys=500, scale_seconds=2.0,
+                    fleet_passes=1)
     return Plan(quick=False, overhead_tasks=2000, overhead_cap=12.0,
                 # 100 ms tasks get the 1 s tasks' 20 s: in 4 s (two rounds) a key's
                 # first rounds decided the cell, and leases showed 0.96-0.99 at limit 20

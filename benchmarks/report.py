@@ -188,22 +188,176 @@ def _scale(results: dict[str, Any]) -> list[str]:
             f"(peak {s['max_rss_mb']:.0f} MB); rows: {s['table_rows']}"]
 
 
-def render_text(results: dict[str, Any], plan: Plan) -> str:
-    before, after = results["machine_before"], results["machine_after"]
-    head = [f"durability-celery benchmarks, {before['utc']} ({results['command']}, "
-            f"{results['seconds']:.0f} s)",
+FLEET_TEXT = RESULTS / "fleets.txt"
+FLEET_PLOT = DOCS / "benchmarks-fleets.png"
+FLEET_TARGETS = {"efficiency": 0.90, "idle_s": 0.5, "first_p50_ms": 20.0, "settle_s": 1.0}
+
+
+@dataclass
+class FleetCell:
+    """One deployment and variant: its runs over every pass."""
+
+    rows: list[dict[str, Any]]
+
+    def figures(self) -> dict[str, Any]:
+        ran = [r for r in self.rows if "efficiency" in r]
+        if not ran:
+            return {}
+        firsts = [ms for r in ran for ms in r["first_ms"]]
+        settles = [r.get("settle_s") for r in ran]
+        settled = [x for x in settles if x is not None]
+        return {"efficiency": median(r["efficiency"] for r in ran),
+                "efficiencies": [r["efficiency"] for r in ran],
+                "makespan_s": median(r["makespan_s"] for r in ran),
+                "ideal_s": median(r["ideal_s"] for r in ran),
+                "idle_s": max(r["idle_s"] for r in ran),
+                "idle_free_slot_s": max(r["idle_free_slot_s"] for r in ran),
+                "first_p50_ms": median(firsts),
+                "first_p99_ms": sorted(firsts)[min(len(firsts) - 1, int(len(firsts) * 0.99))],
+                "settle_s": ("-" if ran[0]["variant"] == "plain" else
+                             None if len(settled) < len(settles) else max(settled)),
+                "peaks": [max(p) for p in zip(*(r["peaks"] for r in ran), strict=True)],
+                "group_peaks": [max(p, default=0) for p in
+                                zip(*(r["group_peaks"] for r in ran), strict=True)],
+                "over_limit": sorted({str(k) for r in ran for k in r["over_limit"]}),
+                "stranded": [r["stranded"] for r in ran if r.get("stranded")],
+                "held_first": [max(h) for h in zip(*(r["held_first"] for r in ran),
+                                                   strict=True)]
+                if "held_first" in ran[0] else None,
+                "short": sum(r["tasks"] - r["done"] for r in self.rows)}
+
+
+def fleet_cells(rows: list[dict[str, Any]]) -> dict[tuple[str, str], FleetCell]:
+    """The runs by deployment and variant, in the order they first ran."""
+    cells: dict[tuple[str, str], FleetCell] = {}
+    for r in rows:
+        cells.setdefault((r["deployment"], r["variant"]), FleetCell([])).rows.append(r)
+    return cells
+
+
+def _fleet_verdict(f: dict[str, Any]) -> str:
+    checks = {"efficiency": f["efficiency"] >= FLEET_TARGETS["efficiency"],
+              "idle": f["idle_s"] <= FLEET_TARGETS["idle_s"],
+              "first p50": f["first_p50_ms"] <= FLEET_TARGETS["first_p50_ms"],
+              "usage 0": f["settle_s"] is not None and f["settle_s"] <= FLEET_TARGETS["settle_s"],
+              "peak": not f["over_limit"]}
+    met = [name for name, ok in checks.items() if ok]
+    missed = [name for name, ok in checks.items() if not ok]
+    return (f"met: {', '.join(met) or 'none'}; NOT met: {', '.join(missed) or 'none'}")
+
+
+def fleet_lines(rows: list[dict[str, Any]]) -> list[str]:
+    passes = max((r["pass"] for r in rows), default=0) + 1
+    t = FLEET_TARGETS
+    lines = ["5. Fleets: does the budget stay busy? Each deployment's burst is published at once",
+             "   and run as plain Celery and as admitted tasks (default settings; grants only,",
+             f"   and with leases) on the same workers, the order flipping each pass ({passes}).",
+             "   efficiency = ideal / makespan (first publish to last end), median (range);",
+             "   ideal = max(total work / slots, each key's work / its limit, the workflow's",
+             "   work / its ceiling); plain Celery enforces no limit: total work / slots.",
+             "   idle = longest a key had work waiting and nothing running, worst pass (in",
+             "   brackets: while a slot was free too); first = publish to start of each key's",
+             "   first task, p50/p99 over keys and passes; usage 0 = last end until usage()",
+             "   reads no outstanding permit and no lease footprint for every key (50 ms polls,",
+             "   up to 15 s), worst pass; peaks = most running at once per key (then the",
+             "   workflow's, per key), worst pass, over the limits. All from the tasks' ledger.",
+             f"   Targets (admitted): efficiency >= {t['efficiency']:.2f}, idle <= "
+             f"{t['idle_s']} s, first p50 <= {t['first_p50_ms']:.0f} ms,",
+             f"   usage 0 <= {t['settle_s']:.0f} s, peaks <= limits."]
+    shown = None
+    for (deployment, variant), cell in fleet_cells(rows).items():
+        first = cell.rows[0]
+        if deployment != shown:
+            shown = deployment
+            lines += ["", f"   {first.get('title', deployment)}: {first['tasks']} tasks, "
+                      f"{first['slots']} slots",
+                      f"   {'variant':<7} {'efficiency':<17} {'makespan/ideal s':<16} "
+                      f"{'idle s':<13} {'first p50/p99 ms':<16} {'usage 0 s':>9}  peaks/limits"]
+        f = cell.figures()
+        if not f:
+            lines.append(f"   {variant:<7} no task ran")
+            continue
+        spread = f"({min(f['efficiencies']):.2f}-{max(f['efficiencies']):.2f})"
+        settle = (f["settle_s"] if isinstance(f["settle_s"], str)
+                  else "> 15" if f["settle_s"] is None else f"{f['settle_s']:.2f}")
+        peaks = ",".join(map(str, f["peaks"])) + "/" + ",".join(map(str, first["limits"]))
+        if f["group_peaks"]:
+            peaks += " workflow " + ",".join(map(str, f["group_peaks"]))
+        idle = f"{f['idle_s']:.2f} ({f['idle_free_slot_s']:.2f})"
+        lines.append(f"   {variant:<7} {f['efficiency']:<5.2f} {spread:<11} "
+                     f"{f['makespan_s']:>5.1f} / {f['ideal_s']:<8.1f} {idle:<13} "
+                     f"{f['first_p50_ms']:>5.0f} / {f['first_p99_ms']:<8.0f} {settle:>9}  "
+                     f"{peaks}")
+        notes = []
+        if variant != "plain":  # plain Celery is the reference: it keeps no limit
+            notes.append(_fleet_verdict(f))
+            if f["over_limit"]:
+                notes.append(f"over the limit: keys {', '.join(f['over_limit'])}")
+            if f["held_first"]:
+                notes.append("held at the last task's end (worst pass): {} permits "
+                             "outstanding, {} lease footprint".format(*f["held_first"]))
+        if f["stranded"]:
+            notes.append(f"still held after 15 s (key: outstanding, lease footprint): "
+                         f"{f['stranded']}")
+        if f["short"]:
+            notes.append(f"{f['short']} tasks not run within the time bound")
+        lines += [f"   {'':<7} {note}" for note in notes]
+    return lines
+
+
+def fleet_plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = {where: cell.figures() for where, cell in fleet_cells(rows).items()}
+    deployments = list(dict.fromkeys(d for d, _ in cells))
+    variants = list(dict.fromkeys(v for _, v in cells))
+    width = 0.8 / max(len(variants), 1)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for n, variant in enumerate(variants):
+        xs = [i + (n - (len(variants) - 1) / 2) * width for i in range(len(deployments))]
+        found = [cells.get((d, variant)) or {} for d in deployments]
+        heights = [f.get("efficiency", 0.0) for f in found]
+        errors = [[h - min(f.get("efficiencies", [h])) for h, f in zip(heights, found,
+                                                                      strict=True)],
+                  [max(f.get("efficiencies", [h])) - h for h, f in zip(heights, found,
+                                                                      strict=True)]]
+        ax.bar(xs, heights, width, yerr=errors, label=LABELS.get(variant, variant),
+               error_kw={"elinewidth": 0.8, "capsize": 2})
+    ax.axhline(FLEET_TARGETS["efficiency"], color="green", linestyle="--",
+               label=f"target {FLEET_TARGETS['efficiency']:.2f}")
+    ax.set_xticks(list(range(len(deployments))), deployments)
+    ax.set_ylim(0, 1.45)  # room above the bars for the legend
+    ax.set_ylabel("ideal / measured makespan (median, range)")
+    ax.set_title("Fleets: how busy the budget stays, admitted vs plain Celery")
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, path.name)
+
+
+def machine_lines(before: dict[str, Any], after: dict[str, Any], command: str,
+                  seconds: float) -> list[str]:
+    """The head of a results text: when, what ran, on what machine and under what load."""
+    return [f"durability-celery benchmarks, {before['utc']} ({command}, {seconds:.0f} s)",
             f"{before['nproc']} CPUs, {before['ram_gb']} GB RAM, Python {before['python']}, "
             f"Celery {before['celery']}, kombu {before['kombu']}, Redis {before['redis']}, "
             f"{before['postgresql']}",
             f"load average before {tuple(round(x, 2) for x in before['loadavg'])}, after "
-            f"{tuple(round(x, 2) for x in after['loadavg'])} (shared machine: ratios matter)",
+            f"{tuple(round(x, 2) for x in after['loadavg'])} (shared machine: ratios matter)"]
+
+
+def render_text(results: dict[str, Any], plan: Plan) -> str:
+    head = [*machine_lines(results["machine_before"], results["machine_after"],
+                           results["command"], results["seconds"]),
             *(f"section {field}: kept from the run of {kept['utc']} ({kept['command']})"
               for field, kept in results.get("kept", {}).items()),
             ""]
     # A section the run skipped (and did not --keep) is left out, not printed empty:
     # "settings reaching >= 0.95: none" under no rows would read as a result.
     sections = [(_overhead, "overhead"), (_utilization, "utilization"),
-                (_latency, "latency"), (_scale, "scale")]
+                (_latency, "latency"), (_scale, "scale"),
+                (lambda r: fleet_lines(r["fleets"]), "fleets")]
     body: list[str] = []
     for render, field in sections:
         if results.get(field):
@@ -250,6 +404,8 @@ def render_plots(results: dict[str, Any], *, suffix: str = "") -> list[Path]:
         ax.set_title("Admission latency with free permits")
         ax.legend()
         paths.append(_save(fig, f"benchmarks-latency{suffix}.png"))
+    if results.get("fleets"):
+        paths.append(fleet_plot(results["fleets"], DOCS / f"benchmarks-fleets{suffix}.png"))
     return paths
 
 
