@@ -272,7 +272,7 @@ def fleet_lines(rows: list[dict[str, Any]]) -> list[str]:
             lines += ["", f"   {first.get('title', deployment)}: {first['tasks']} tasks, "
                       f"{first['slots']} slots",
                       f"   {'variant':<7} {'efficiency':<17} {'makespan/ideal s':<16} "
-                      f"{'idle s':<13} {'first p50/p99 ms':<16} {'usage 0 s':>9}  peaks/limits"]
+                      f"{'idle s':<14} {'first p50/p99 ms':<16} {'usage 0 s':>9}  peaks/limits"]
         f = cell.figures()
         if not f:
             lines.append(f"   {variant:<7} no task ran")
@@ -285,7 +285,7 @@ def fleet_lines(rows: list[dict[str, Any]]) -> list[str]:
             peaks += " workflow " + ",".join(map(str, f["group_peaks"]))
         idle = f"{f['idle_s']:.2f} ({f['idle_free_slot_s']:.2f})"
         lines.append(f"   {variant:<7} {f['efficiency']:<5.2f} {spread:<11} "
-                     f"{f['makespan_s']:>5.1f} / {f['ideal_s']:<8.1f} {idle:<13} "
+                     f"{f['makespan_s']:>5.1f} / {f['ideal_s']:<8.1f} {idle:<14} "
                      f"{f['first_p50_ms']:>5.0f} / {f['first_p99_ms']:<8.0f} {settle:>9}  "
                      f"{peaks}")
         notes = []
