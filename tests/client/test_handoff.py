@@ -537,3 +537,39 @@ def test_asks_only_for_items_no_permit_covers_within_the_pool_room() -> None:
     assert first.item_id == "a"
     client.capacity = 1
     assert not client.asks(KEY)  # "a" runs and fills the pool's room for the key
+
+
+def test_grant_permits_an_admission_left_unclaimed_go_back_at_once() -> None:
+    # Two permits came for two items, but the pool had one slot: the other permit is
+    # returned (claimed and released, so it is freed exactly once) and reported now,
+    # while its item stays queued for a later slot.
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0)
+    client.enqueue(KEY, None, "a", enqueued_at=1.0)
+    client.enqueue(KEY, None, "b", enqueued_at=2.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 2.0, grants=[
+        grant("g1", permits=2, claim_deadline=clock.now + 10)]))
+    assert [p.item_id for p in client.admit(limit=1)] == ["a"]
+    assert client.return_unused()
+    assert not client.return_unused()  # nothing more to give back
+    assert client.due() == [KEY]  # before next_request_at: capacity back is news
+    assert grant_reports(client.message(KEY)) == {"g1": (2, 1)}
+    assert client.admit() == []  # "b" waits for a new permit
+    client.release("a")
+    assert grant_reports(client.message(KEY)) == {"g1": (2, 2)}
+
+
+def test_demand_is_bounded_by_the_pools_free_slots_across_keys() -> None:
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0)
+    client.capacity = 4
+    free = [0]
+    client.free_slots = lambda: free[0]
+    client.enqueue(KEY, None, "a", enqueued_at=1.0)
+    client.enqueue(KEY, None, "b", enqueued_at=1.0)
+    assert not client.asks(KEY)  # the pool is busy (with other keys' tasks): ask nothing
+    free[0] = 1
+    client.room_changed()
+    assert client.asks(KEY)
+    assert demand(client.message(KEY)) == {None: (1, 1.0)}
