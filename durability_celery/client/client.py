@@ -362,7 +362,8 @@ class SemaphoreClient:
             # With a fresh grant permit at hand, the queued item claims that one now:
             # left unclaimed behind a chain it would be claimed late, near its claim
             # deadline, where one lost report lets the holder reclaim it while it runs.
-            if now >= usable_until or self._claimable(permit, now):
+            if (now >= usable_until or self._claimable(permit, now)
+                    or self._older_elsewhere(key, permit.group, queue[0], now)):
                 self._give_back(permit)
                 return None
             successor = queue[0][2]
@@ -390,6 +391,20 @@ class SemaphoreClient:
         else:
             bisect.insort(idle, (until, permit), key=_UNTIL)
         return None
+
+    def _older_elsewhere(self, key: str, group: str | None, successor: Order,
+                         now: float) -> bool:
+        """Whether an item of another key or group, queued before `successor`, could take
+        the slot instead: it has a permit at hand, or its key is free (one round trip).
+        The pool is shared by every key, and passing a permit on within its key would
+        keep the keys already running in the slots while older work of others waits."""
+        for other, groups in self._queues.items():
+            for other_group, queue in groups.items():
+                if ((other, other_group) != (key, group) and queue[0] < successor
+                        and (other not in self._urgent
+                             or self._held_permits(other, other_group, now) > 0)):
+                    return True
+        return False
 
     def _linger_until(self, key: str, now: float) -> float:
         """When a permit kept idle at `now` goes back: handoff_linger later, or at once

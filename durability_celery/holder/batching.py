@@ -1,13 +1,13 @@
 # When the holder runs a round or a reclaim for each key: the waiting requests,
 # the round timer and the claim-deadline alarm, with no I/O and no clock (`now`
-# is always a parameter). Rules: at most one job per key at a time; a free key
-# (its last round served all its demand, or it has had none) runs a request
-# within a moment of its arrival; a contended key (its last round left demand
-# unmet) batches: its round starts at last round + round_period + a moment to
-# gather the clients its replies told to ask then, or promptly once a request
-# brings capacity back (a release, a returned or stopped permit), since only
-# capacity coming back can serve the demand that waits; and finding what is
-# due costs what is due, not every key known (a heap of wake times).
+# is always a parameter). Rules: at most one job per key at a time; a request
+# runs within a moment of its arrival, unless its client was left blocked by the
+# key's last round: such a request is parked, and waits for last round +
+# round_period + a moment to gather the clients told to ask then, or for a
+# request that brings capacity back (a release, a returned or stopped permit),
+# whose round runs promptly, since only capacity coming back can serve what is
+# parked; and finding what is due costs what is due, not every key known (a
+# heap of wake times).
 from __future__ import annotations
 
 import heapq
@@ -113,12 +113,16 @@ class _Slot:
     """The earliest wake time of this slot in the heap (others there are stale). Rule:
     a slot that is not busy and has something pending (requests, an alarm, or a last
     round that still spaces the next) has a wake at or before its due time."""
-    contended: bool = False
-    """The key's last round left demand unmet (or it is over its limit): rounds batch."""
+    blocked: set[str] = field(default_factory=set)
+    """Clients the key's rounds left blocked: their requests are parked."""
     given_back: dict[str, int] = field(default_factory=dict)
     """client_id -> the highest `frees` total seen from it, to tell news from repeats."""
+    fresh_at: float | None = None
+    """Arrival of the first waiting request that is not parked."""
     freed_at: float | None = None
     """Arrival of the first waiting request that brought capacity back."""
+    parked_at: float | None = None
+    """Arrival of the first parked request."""
 
 
 class Batcher:
@@ -141,15 +145,27 @@ class Batcher:
         slot = self._slots.setdefault(key_id, _Slot())
         slot.waiting.append(request)
         self._waiting += 1
+        self._classify(slot, request)
+        if not slot.busy:
+            self._reschedule(key_id, slot)
+
+    @staticmethod
+    def _classify(slot: _Slot, request: Waiting) -> None:
         client = request.body.get("client_id")
+        at = request.arrived_at
         if isinstance(client, str):
             total = frees(request.body)
             if total > slot.given_back.get(client, 0):
                 slot.given_back[client] = total
                 if slot.freed_at is None:
-                    slot.freed_at = request.arrived_at
-        if not slot.busy:
-            self._reschedule(key_id, slot)
+                    slot.freed_at = at
+                return
+            if client in slot.blocked:
+                if slot.parked_at is None:
+                    slot.parked_at = at
+                return
+        if slot.fresh_at is None:
+            slot.fresh_at = at
 
     def freed(self, key_id: KeyId, now: float) -> None:
         """Capacity of the key came back without a request (a reclaim): what waits for it
@@ -184,20 +200,22 @@ class Batcher:
 
     def _round_at(self, key_id: KeyId, slot: _Slot) -> float:
         round_wait, round_period = self._timing(key_id[0])
-        first = slot.waiting[0].arrived_at
         last = slot.last_round_at
-        if not slot.contended:
-            at = first + min(FREE_GATHER, round_wait)
-        else:
-            at = first + round_wait
+        times = []
+        if slot.fresh_at is not None:
+            times.append(slot.fresh_at + min(FREE_GATHER, round_wait))
+        if slot.freed_at is not None:
+            times.append(slot.freed_at + min(PROMPT, round_wait))
+        if slot.parked_at is not None:
+            at = slot.parked_at + round_wait
             if last is not None:
                 told = _told_at(last, round_wait, round_period)
-                if first < told:
+                if slot.parked_at < told:
                     # It waited for the period, and the clients the last round told to
                     # ask at its end are gathered by `told`, not a round_wait later.
                     at = told
-            if slot.freed_at is not None:
-                at = min(at, slot.freed_at + min(PROMPT, round_wait))
+            times.append(at)
+        at = min(times)
         if last is not None:
             at = max(at, last + min(PROMPT, round_wait))
         return at
@@ -235,7 +253,9 @@ class Batcher:
             self._waiting -= len(batch)
             slot.busy = True
             slot.last_round_at = now
-            slot.freed_at = None
+            slot.fresh_at = slot.freed_at = slot.parked_at = None
+            for request in slot.waiting:  # past max_batch: they wait for the next round
+                self._classify(slot, request)
             return Round(key_id, tuple(batch))
         if slot.alarm_at is not None and slot.alarm_at <= now:
             slot.busy = True
@@ -269,21 +289,25 @@ class Batcher:
         return now >= self._forget_at(key_id, slot)
 
     def finished(self, key_id: KeyId, *, round_at: float | None = None,
-                 contended: bool | None = None) -> None:
+                 blocked: dict[str, bool] | None = None) -> None:
         """The key's job ended (committed or failed): it may run the next one.
 
         `round_at` is the time the round itself recorded (taken a little after
         it was started); the next round is spaced from it, so the times clients
-        see are never closer than round_period. `contended`: whether the round
-        left demand unmet (None: a reclaim or a failed round, which tell nothing).
+        see are never closer than round_period. `blocked`: for each client the
+        round answered, whether it left that client's demand blocked (None: a
+        reclaim or a failed round, which tell nothing).
         """
         slot = self._slots.get(key_id)
         if slot is not None:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
-            if contended is not None:
-                slot.contended = contended
+            for client, left in (blocked or {}).items():
+                if left:
+                    slot.blocked.add(client)
+                else:
+                    slot.blocked.discard(client)
             self._reschedule(key_id, slot)
 
     def next_wake(self) -> float | None:

@@ -178,7 +178,7 @@ class Dispatcher(threading.Thread):
         self._running -= 1
         key_id = event.job.key_id
         self._batcher.finished(key_id, round_at=_round_at(event.responses),
-                               contended=_contended(event.responses))
+                               blocked=_blocked(event.job, event.responses))
         if event.responses is None:
             answers: Iterable[dict[str, Any]] = [
                 error_reply("unavailable", "the holder's database failed; ask again later")
@@ -300,12 +300,18 @@ def _round_at(responses: list[dict[str, Any]] | None) -> float | None:
     return None
 
 
-def _contended(responses: list[dict[str, Any]] | None) -> bool | None:
-    """Whether a round left demand unmet or the key over its limit (None: it failed)."""
+def _blocked(job: Round, responses: list[dict[str, Any]] | None) -> dict[str, bool] | None:
+    """For each client the round answered, whether its demand stayed blocked (or the key
+    is over its limit). None: the round failed and tells nothing."""
     if responses is None:
         return None
-    return any(r.get("contended") or r.get("blocked") or r.get("over_limit")
-               for r in responses if "error" not in r)
+    blocked: dict[str, bool] = {}
+    for request, response in zip(job.requests, responses, strict=True):
+        client = request.body.get("client_id")
+        if isinstance(client, str) and "error" not in response:
+            left = bool(response.get("blocked") or response.get("over_limit"))
+            blocked[client] = blocked.get(client, False) or left
+    return blocked
 
 
 def _log_failure(what: str, key_id: KeyId, exc: Exception) -> None:

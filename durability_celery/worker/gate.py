@@ -501,6 +501,8 @@ class Gate:
         # before pass_on, which forgets the item.
         permit = client.permit(item) if self._waited_on else None
         successor = client.pass_on(item)
+        if successor is None and self.state.held:
+            return None, True  # the freed slot may need a permit for a held task: ask now
         return successor, permit is not None and client.waited_on(permit.key)
 
     # -- the holder ------------------------------------------------------------

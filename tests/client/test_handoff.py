@@ -54,7 +54,8 @@ def leased(clock: FakeClock, *, permits: int = 2, running: int = 1, expires_in: 
 
 def test_the_permit_goes_to_the_oldest_queued_item_of_its_group_and_the_claim_stays() -> None:
     clock = FakeClock()
-    client = granted(clock, items=((None, "young", 9.0), (None, "old", 5.0), ("other", "x", 1.0)))
+    client = granted(clock, items=((None, "young", 9.0), (None, "old", 5.0),
+                                   ("other", "x", 12.0)))
     clock.advance(1.0)
     passed = client.pass_on("run-0")
     assert passed is not None
@@ -65,7 +66,7 @@ def test_the_permit_goes_to_the_oldest_queued_item_of_its_group_and_the_claim_st
     assert client.held() == {KEY: {None: 1, "other": 1}}
     message = client.message(KEY)
     assert grant_reports(message) == {"g1": (1, 0)}, "the holder hears no new claim or release"
-    assert demand(message) == {None: (1, 9.0), "other": (1, 1.0)}
+    assert demand(message) == {None: (1, 9.0), "other": (1, 12.0)}
     assert client.pass_on("run-0") is None, "an item ends once"
     assert not client.release("run-0")
 
@@ -573,3 +574,21 @@ def test_demand_is_bounded_by_the_pools_free_slots_across_keys() -> None:
     client.room_changed()
     assert client.asks(KEY)
     assert demand(client.message(KEY)) == {None: (1, 1.0)}
+
+
+@pytest.mark.parametrize(("contended", "passed_on"), [(False, False), (True, True)])
+def test_an_older_item_of_another_key_takes_the_slot_unless_its_key_is_contended(
+        contended: bool, passed_on: bool) -> None:
+    # The pool is shared by every key: passing the permit within its key would keep the
+    # keys already running in the slots while older work of another key waits. A free
+    # key gets its permit in a round trip; a contended one may have none to give, and
+    # the slot would idle, so then the permit passes on.
+    clock = FakeClock()
+    client = granted(clock, items=((None, "young", 9.0),))
+    client.enqueue("acct-2", None, "older", enqueued_at=2.0)
+    client.message("acct-2")
+    client.on_response("acct-2", reply(clock.now, key="acct-2", contended=contended))
+    passed = client.pass_on("run-0")
+    assert (passed is not None) is passed_on
+    if not passed_on:
+        assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}

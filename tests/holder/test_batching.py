@@ -27,20 +27,23 @@ def batcher() -> Batcher:
 
 
 def req(at: float, n: int = 0, *, released: int | None = None) -> Waiting:
-    body: dict[str, object] = {"n": n}
+    body: dict[str, object] = {"n": n, "client_id": f"client-{n}"}
     if released is not None:
-        body.update(client_id=f"client-{n}",
-                    grants=[{"grant_id": "g", "claimed": released, "released": released}])
+        body.update(grants=[{"grant_id": "g", "claimed": released, "released": released}])
     return Waiting(body, "reply", f"c{n}", at)
 
 
+BLOCKED = {f"client-{n}": True for n in range(10)}
+"""A round that left every test client blocked: their next requests are parked."""
+
+
 def after_one_round() -> Batcher:
-    """K had its round at 1.0 and left demand unmet: its blocked clients were told to
-    ask again, and their requests wait for the period (3.0) or for capacity."""
+    """K had its round at 1.0 and left every client blocked: told to ask again, their
+    requests wait for the period (3.0) or for capacity."""
     b = batcher()
     b.add(K, req(0.0, 1))
     b.take_due(1.0)
-    b.finished(K, contended=True)
+    b.finished(K, blocked=BLOCKED)
     return b
 
 
@@ -51,7 +54,7 @@ def test_a_free_key_runs_a_request_within_a_moment() -> None:
     assert b.round_at(K) == 10.0 + FREE_GATHER
     (job,) = b.take_due(10.0 + FREE_GATHER)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [1, 2]
-    b.finished(K, contended=False)
+    b.finished(K, blocked={"client-1": False, "client-2": False})
     b.add(K, req(10.005, 3))  # more demand just after: no period to wait, but spaced
     assert b.round_at(K) == pytest.approx(10.0 + FREE_GATHER + PROMPT)
 
@@ -64,7 +67,7 @@ def test_a_contended_key_batches_until_capacity_comes_back() -> None:
     assert b.round_at(K) == 1.5 + PROMPT
     (job,) = b.take_due(1.5 + PROMPT)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2, 3]
-    b.finished(K, contended=True)
+    b.finished(K, blocked=BLOCKED)
     b.add(K, req(1.6, 3, released=1))  # the same report again is no news
     assert b.round_at(K) == pytest.approx(1.5 + PROMPT + PERIOD + GATHER)
     b.freed(K, 1.7)  # a reclaim gave capacity back
@@ -97,7 +100,7 @@ def test_a_request_sent_when_told_starts_the_round_a_gathering_moment_later() ->
     assert b.take_due(3.0 + GATHER - 0.001) == []
     (job,) = b.take_due(3.0 + GATHER)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2]
-    b.finished(K, contended=True)  # next_request_at = 3.0 + GATHER + PERIOD
+    b.finished(K, blocked=BLOCKED)  # next_request_at = 3.0 + GATHER + PERIOD
     b.add(K, req(3.0 + GATHER + PERIOD + 0.004, 3))
     assert b.round_at(K) == pytest.approx(3.0 + 2 * GATHER + PERIOD)
 
@@ -120,7 +123,7 @@ def test_the_gathering_moment_never_exceeds_round_wait() -> None:
     b = Batcher(lambda semaphore: (0.01, 0.05))
     b.add(K, req(0.0, 1))
     b.take_due(0.01)
-    b.finished(K, contended=True)
+    b.finished(K, blocked=BLOCKED)
     b.add(K, req(0.02, 2))
     assert b.round_at(K) == 0.01 + 0.05 + 0.01
 
@@ -144,9 +147,10 @@ def test_batches_are_capped_and_the_rest_waits_for_the_next_round() -> None:
         b.add(K, req(0.0, n))
     (job,) = b.take_due(1.0)
     assert isinstance(job, Round) and len(job.requests) == 3
-    b.finished(K, contended=True)
-    assert b.round_at(K) == 3.0 + GATHER
-    (job,) = b.take_due(3.0 + GATHER)
+    b.finished(K, blocked=BLOCKED)
+    # Never answered, they are not parked: their round follows as soon as rounds may.
+    assert b.round_at(K) == 1.0 + PROMPT
+    (job,) = b.take_due(1.0 + PROMPT)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [3, 4]
 
 
@@ -226,7 +230,7 @@ def test_the_next_round_is_spaced_from_the_time_the_round_recorded() -> None:
     b.add(K, req(0.0, 1))
     b.take_due(1.0)
     # The round read its clock a little after it started.
-    b.finished(K, round_at=1.02, contended=True)
+    b.finished(K, round_at=1.02, blocked=BLOCKED)
     b.add(K, req(1.5, 2))
     assert b.round_at(K) == 1.02 + PERIOD + GATHER
 
@@ -303,7 +307,7 @@ def test_take_due_returns_exactly_the_due_jobs_and_wakes_are_never_late(
             b.set_alarm(key, now + x)
         elif op in ("finish", "contend") and key in busy:
             busy.discard(key)
-            b.finished(key, contended=op == "contend")
+            b.finished(key, blocked={f"client-{m}": op == "contend" for m in range(5)})
         elif op == "tick":
             now += x
             due = {}
@@ -324,3 +328,20 @@ def test_take_due_returns_exactly_the_due_jobs_and_wakes_are_never_late(
             if upcoming:
                 wake = b.next_wake()
                 assert wake is not None and wake <= min(upcoming)
+
+
+def test_a_new_client_of_a_contended_key_gets_a_round_at_once() -> None:
+    # Only the clients a round left blocked are parked: another worker's first demand
+    # (perhaps for a group with room) is answered within a moment, then parked if it
+    # too is blocked.
+    b = after_one_round()
+    b.add(K, req(1.5, 2))  # parked
+    b.add(K, Waiting({"client_id": "newcomer"}, "reply", "cx", 1.6))
+    assert b.round_at(K) == pytest.approx(1.6 + FREE_GATHER)
+    (job,) = b.take_due(1.6 + FREE_GATHER)
+    assert isinstance(job, Round) and len(job.requests) == 2
+    b.finished(K, blocked={"newcomer": True, "client-2": False})
+    b.add(K, Waiting({"client_id": "newcomer"}, "reply", "cy", 1.7))
+    assert b.round_at(K) == pytest.approx(1.6 + FREE_GATHER + PERIOD + GATHER)
+    b.add(K, req(1.8, 2))  # served last round: no longer parked
+    assert b.round_at(K) == pytest.approx(1.8 + FREE_GATHER)
