@@ -76,21 +76,21 @@ class _CallbackLimits:
 
 
 class _MigrateEngine(Protocol):
-    def __call__(self, engine: Engine | str, target: int | None = ...) -> None: ...
+    def __call__(self, engine: Engine | str,
+                 target: int | None = ...) -> store.MigrateOutcome: ...
 
 
 class _MigrateSelf(Protocol):
-    def __call__(self, target: int | None = ...) -> None: ...
+    def __call__(self, target: int | None = ...) -> store.MigrateOutcome: ...
 
 
 def _migrate_database(engine: Engine | str,
-                      target: int | None = store.SCHEMA_VERSION) -> None:
+                      target: int | None = store.SCHEMA_VERSION) -> store.MigrateOutcome:
     if isinstance(engine, Engine):
-        store.migrate(store.prepare_engine(engine), target)
-        return
+        return store.migrate(store.prepare_engine(engine), target)
     made = store.create_engine(engine)
     try:
-        store.migrate(made, target)
+        return store.migrate(made, target)
     finally:
         made.dispose()
 
@@ -111,8 +111,8 @@ class _Migrate:
             return _migrate_database
         engine = instance.engine
 
-        def migrate(target: int | None = store.SCHEMA_VERSION) -> None:
-            store.migrate(engine, target)
+        def migrate(target: int | None = store.SCHEMA_VERSION) -> store.MigrateOutcome:
+            return store.migrate(engine, target)
 
         return migrate
 

@@ -35,17 +35,17 @@ def test_metadata_is_importable_for_alembic() -> None:
 def test_migrate_creates_is_idempotent_and_drops(database_url: str) -> None:
     engine = store.create_engine(database_url)
     try:
-        store.migrate(engine)
+        assert store.migrate(engine) == "created"
         assert _tables(engine) == TABLES
-        store.migrate(engine)  # idempotent
+        assert store.migrate(engine) == "current"  # idempotent, and says it changed nothing
         with engine.connect() as conn:
             versions = conn.execute(sa.select(store.schema.schema_version)).all()
         assert [tuple(v) for v in versions] == [(1, store.SCHEMA_VERSION)]
         indexes = {ix["name"] for ix in sa.inspect(engine).get_indexes("durability_semaphore_keys")}
         assert "ix_durability_semaphore_keys_deadline" in indexes
-        DurabilitySemaphore.migrate(engine, None)
+        assert DurabilitySemaphore.migrate(engine, None) == "removed"
         assert _tables(engine) == set()
-        DurabilitySemaphore.migrate(engine, None)  # dropping nothing is fine too
+        assert DurabilitySemaphore.migrate(engine, None) == "absent"  # dropping nothing is fine
     finally:
         engine.dispose()
 
@@ -84,7 +84,7 @@ def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: st
                 ' "group", permits, drawn, released, issued_at, last_report_at, status,'
                 " confirmed, issued_limit, issued_group_limit) VALUES ('s', 'k', 'l-1', 'c',"
                 " NULL, 4, 1, 0, 1.0, 1.0, 'active', false, 10, NULL)"))
-        store.migrate(engine)
+        assert store.migrate(engine) == "upgraded"
         with engine.begin() as conn:
             version = conn.execute(sa.select(store.schema.schema_version.c.version)).scalar()
             (lease,) = store.load(conn, "s", "k").leases
