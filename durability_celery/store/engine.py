@@ -25,18 +25,22 @@ DEFAULT_BUSY_TIMEOUT = 30.0
 _prepared: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Engine:
-    """An engine for `url`; `postgresql://` is served by psycopg 3, SQLite runs in WAL mode."""
+def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+                  setting: str = "database") -> Engine:
+    """An engine for `url`; `postgresql://` is served by psycopg 3, SQLite runs in WAL mode.
+
+    `setting` is what errors name: where the user typed the URL (an argument, a flag,
+    an environment variable)."""
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise ConfigurationError(f"database: not a database URL: {url!r}") from exc
+        raise ConfigurationError(f"{setting}: not a database URL: {url!r}") from exc
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     backend = parsed.get_backend_name()
     if backend not in SUPPORTED_DIALECTS:
         raise ConfigurationError(
-            f"database: {backend!r} is not supported (use sqlite or postgresql)"
+            f"{setting}: {backend!r} is not supported (use sqlite or postgresql)"
         )
     try:
         if backend == "sqlite":
@@ -45,7 +49,8 @@ def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> En
             # A holder outlives database restarts: test pooled connections first.
             engine = sa.create_engine(parsed, pool_pre_ping=True)
     except (ArgumentError, ImportError) as exc:
-        raise ConfigurationError(f"database: cannot create an engine for {url!r}: {exc}") from exc
+        raise ConfigurationError(
+            f"{setting}: cannot create an engine for {url!r}: {exc}") from exc
     return prepare_engine(engine, busy_timeout=busy_timeout)
 
 
