@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from . import store
 from .core.clients import Forgotten, forget_client
 from .core.config import Leases, RoundConfig, validate_limit_value, validate_seconds
+from .core.messages import MAX_KEY_LENGTH
 from .core.round import KeyState, reclaim, run_round, with_lease_deadline
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
@@ -23,8 +24,6 @@ from .errors import CallerError, ConfigurationError
 LimitCallback = Callable[[str], int]
 GroupLimitCallback = Callable[[str, str], "int | None"]
 CanGrantCallback = Callable[[str, str, "str | None"], bool]
-
-MAX_KEY_LENGTH = 200
 
 
 def _check_callable(setting: str, value: object, params: Sequence[str]) -> None:

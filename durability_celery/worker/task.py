@@ -14,10 +14,9 @@ from celery import Task
 from kombu.utils.imports import symbol_by_name
 
 from ..app import durability_for
+from ..core.messages import MAX_KEY_LENGTH
 from ..errors import CallerError, ConfigurationError
 from .request import AdmittedRequest
-
-MAX_KEY_LENGTH = 200
 
 HEADER_SEMAPHORE = "durability_semaphore"
 HEADER_KEY = "durability_key"
