@@ -16,7 +16,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from ..errors import ConfigurationError, InfrastructureError
+from ..errors import ConfigurationError, InfrastructureError, SchemaMissing
 
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 DEFAULT_BUSY_TIMEOUT = 30.0
@@ -136,4 +136,16 @@ def transaction(engine: Engine, *, write: bool) -> Iterator[Connection]:
                 yield conn
     except SQLAlchemyError as exc:
         detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        if _missing_table(exc):
+            raise SchemaMissing(f"the database has no durability schema ({detail}): run "
+                                "`durability-celery migrate`") from exc
         raise InfrastructureError(f"database error ({type(exc).__name__}): {detail}") from exc
+
+
+def _missing_table(exc: SQLAlchemyError) -> bool:
+    """Whether a statement failed for want of a table: the store queries only its own
+    tables, so the schema was never created (or was dropped), which no retry mends."""
+    orig = getattr(exc, "orig", None)
+    if getattr(orig, "sqlstate", None) == "42P01":  # PostgreSQL: undefined_table
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and str(orig).startswith("no such table")

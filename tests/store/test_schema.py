@@ -187,3 +187,35 @@ def test_holders_migrating_one_fresh_sqlite_file_at_once_never_fail(tmp_path: Pa
         for e in engines:
             e.dispose()
     assert errors == []
+
+
+def test_rounds_on_a_database_without_the_schema_say_to_migrate(database_url: str) -> None:
+    # The holder logs what the round raised: it must say what is wrong and what to run,
+    # in one line, not "database error ... relation does not exist".
+    from durability_celery.errors import InfrastructureError, SchemaMissing
+
+    sem = DurabilitySemaphore("no-schema", database=database_url, limit=1)
+    message = {"type": "request", "v": 1, "semaphore": "no-schema", "key": "k",
+               "client_id": "c1", "demand": [{"group": None, "count": 1, "oldest_at": 1.0}],
+               "grants": [], "leases": []}
+    try:
+        for call in (lambda: sem.run_round("k", [message]), lambda: sem.reclaim("k"),
+                     sem.deadlines):
+            with pytest.raises(SchemaMissing) as raised:
+                call()
+            text = str(raised.value)
+            assert text.startswith("the database has no durability schema (")
+            assert text.endswith("): run `durability-celery migrate`")
+            assert "durability_semaphore_" in text and "\n" not in text
+        sem.migrate()
+        assert sem.run_round("k", [message])[0]["grants"]
+    finally:
+        sem.close()
+    down = DurabilitySemaphore("no-schema", database="postgresql://postgres@127.0.0.1:1/x",
+                               limit=1)
+    try:  # an unreachable database is not mistaken for a missing schema
+        with pytest.raises(InfrastructureError) as raised:
+            down.deadlines()
+        assert not isinstance(raised.value, SchemaMissing)
+    finally:
+        down.close()
