@@ -18,7 +18,7 @@ from ..app import Durability
 from ..errors import DurabilityError
 from . import visibility  # noqa: F401  (registers the durability_held inspect command)
 from .step import GateStep
-from .task import HEADER_SEMAPHORE, AdmittedTask
+from .task import HEADER_SEMAPHORE, AdmittedTask, check_at_decoration
 
 logger = logging.getLogger("durability_celery.worker")
 
@@ -35,6 +35,7 @@ def install(durability: Durability) -> None:
     step = type("GateStep", (GateStep,), {"durability": durability, "__module__": __name__})
     app.steps["consumer"].add(step)
     _apps.add(app)
+    check_at_decoration(app)
     signals.before_task_publish.connect(_stamp_headers, weak=False,
                                         dispatch_uid="durability_celery.stamp_headers")
     signals.worker_shutdown.connect(_final_reports, weak=False,
