@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from . import store
 from .core.clients import Forgotten, forget_client
 from .core.config import Leases, RoundConfig, validate_limit_value, validate_seconds
+from .core.messages import MAX_KEY_LENGTH
 from .core.round import KeyState, reclaim, run_round, with_lease_deadline
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
@@ -23,8 +24,6 @@ from .errors import CallerError, ConfigurationError
 LimitCallback = Callable[[str], int]
 GroupLimitCallback = Callable[[str, str], "int | None"]
 CanGrantCallback = Callable[[str, str, "str | None"], bool]
-
-MAX_KEY_LENGTH = 200
 
 
 def _check_callable(setting: str, value: object, params: Sequence[str]) -> None:
@@ -76,21 +75,21 @@ class _CallbackLimits:
 
 
 class _MigrateEngine(Protocol):
-    def __call__(self, engine: Engine | str, target: int | None = ...) -> None: ...
+    def __call__(self, engine: Engine | str,
+                 target: int | None = ...) -> store.MigrateOutcome: ...
 
 
 class _MigrateSelf(Protocol):
-    def __call__(self, target: int | None = ...) -> None: ...
+    def __call__(self, target: int | None = ...) -> store.MigrateOutcome: ...
 
 
 def _migrate_database(engine: Engine | str,
-                      target: int | None = store.SCHEMA_VERSION) -> None:
+                      target: int | None = store.SCHEMA_VERSION) -> store.MigrateOutcome:
     if isinstance(engine, Engine):
-        store.migrate(store.prepare_engine(engine), target)
-        return
+        return store.migrate(store.prepare_engine(engine), target)
     made = store.create_engine(engine)
     try:
-        store.migrate(made, target)
+        return store.migrate(made, target)
     finally:
         made.dispose()
 
@@ -111,8 +110,8 @@ class _Migrate:
             return _migrate_database
         engine = instance.engine
 
-        def migrate(target: int | None = store.SCHEMA_VERSION) -> None:
-            store.migrate(engine, target)
+        def migrate(target: int | None = store.SCHEMA_VERSION) -> store.MigrateOutcome:
+            return store.migrate(engine, target)
 
         return migrate
 

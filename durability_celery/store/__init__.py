@@ -3,6 +3,7 @@
 from .engine import create_engine, prepare_engine, transaction
 from .schema import (
     SCHEMA_VERSION,
+    MigrateOutcome,
     check_version,
     clients,
     grants,
@@ -16,6 +17,7 @@ from .sql import all_keys, deadlines, load, prune_keys, read, save, silent_clien
 __all__ = [
     # schema
     "SCHEMA_VERSION",
+    "MigrateOutcome",
     "check_version",
     "clients",
     "grants",
