@@ -469,7 +469,11 @@ class KeyLedger:
         else:
             times = []
         for g in self.grants.values():
-            if g.unreported():
+            if min(g.released, g.permits) > g.acked_released:
+                # Released grant permits are capacity only the holder can give on, and
+                # others may wait for it: they go at once, claims at the usual time.
+                times.append(self.backoff_until)
+            elif g.unreported():
                 times.append(prompt)
             if g.unreported_claims():
                 # The holder must hear of a claim before it reclaims the permit.

@@ -203,27 +203,30 @@ def test_an_idle_lease_gets_no_heartbeat_and_is_stopped_when_it_expires() -> Non
     assert demand(message) == {None: (1, 3.0)}
 
 
-def test_unreported_releases_wait_for_next_request_at_unless_others_wait_or_all_is_done(
+def test_claims_wait_for_next_request_at_unless_others_wait_and_releases_go_at_once(
         ) -> None:
     for flags, prompt in [({}, False), ({"contended": True}, True),
                           ({"blocked": [{"group": "x", "reason": "limit", "queued": 3}]}, True)]:
         clock = FakeClock()
         client = make_client(clock)
         client.enqueue(KEY, "wf", "t1", enqueued_at=1.0)
-        client.enqueue(KEY, "wf", "t2", enqueued_at=1.0)
         client.message(KEY)
         client.on_response(KEY, reply(clock.now, grants=[
-            grant("g1", group="wf", permits=2, claim_deadline=clock.now + 10)]))
-        client.admit()
+            grant("g1", group="wf", permits=2, claim_deadline=clock.now + 10)],
+            **flags))  # type: ignore[arg-type]
+        client.enqueue(KEY, "wf", "t2", enqueued_at=1.0)
+        assert len(client.admit()) == 2
+        clock.advance(0.5)
+        assert client.due() == ([KEY] if prompt else []), flags  # two claims
+        if not prompt:
+            clock.advance(1.5)  # next_request_at
+            assert client.due() == [KEY]
         client.message(KEY)
         client.on_response(KEY, reply(clock.now, grants=[
             grant("g1", group="wf", permits=2, claimed=2, claim_deadline=clock.now + 10)],
             **flags))  # type: ignore[arg-type]
-        clock.advance(0.5)
-        client.release("t1")  # t2 still runs
-        assert client.due() == ([KEY] if prompt else []), flags
-        client.release("t2")  # nothing left here: the key's capacity is all free again
-        assert client.due() == [KEY]
+        client.release("t1")  # t2 still runs: capacity back, which only the holder gives on
+        assert client.due() == [KEY], flags
 
 
 def test_waited_on_any_follows_each_keys_last_reply_and_stop() -> None:
