@@ -64,6 +64,14 @@ def frees(body: dict[str, Any]) -> int:
     return total
 
 
+def asked_groups(body: dict[str, Any]) -> frozenset[str | None]:
+    """The groups a request asks permits for (a hint, as `frees` is)."""
+    demand = body.get("demand")
+    if not isinstance(demand, list):
+        return frozenset()
+    return frozenset(entry.get("group") for entry in demand if isinstance(entry, dict))
+
+
 def gathering_moment(round_wait: float) -> float:
     """GATHER, at most round_wait: how long past a period's end its round waits for the
     requests told to come then (and how early clients aim: SemaphoreClient.ask_early)."""
@@ -113,8 +121,9 @@ class _Slot:
     """The earliest wake time of this slot in the heap (others there are stale). Rule:
     a slot that is not busy and has something pending (requests, an alarm, or a last
     round that still spaces the next) has a wake at or before its due time."""
-    blocked: set[str] = field(default_factory=set)
-    """Clients the key's rounds left blocked: their requests are parked."""
+    blocked: dict[str, frozenset[str | None]] = field(default_factory=dict)
+    """client_id -> the groups the key's rounds left blocked for it: a request of that
+    client asking for those groups only is parked."""
     given_back: dict[str, int] = field(default_factory=dict)
     """client_id -> the highest `frees` total seen from it, to tell news from repeats."""
     fresh_at: float | None = None
@@ -160,7 +169,8 @@ class Batcher:
                 if slot.freed_at is None:
                     slot.freed_at = at
                 return
-            if client in slot.blocked:
+            blocked = slot.blocked.get(client)
+            if blocked is not None and asked_groups(request.body) <= blocked:
                 if slot.parked_at is None:
                     slot.parked_at = at
                 return
@@ -289,13 +299,13 @@ class Batcher:
         return now >= self._forget_at(key_id, slot)
 
     def finished(self, key_id: KeyId, *, round_at: float | None = None,
-                 blocked: dict[str, bool] | None = None) -> None:
+                 blocked: dict[str, frozenset[str | None]] | None = None) -> None:
         """The key's job ended (committed or failed): it may run the next one.
 
         `round_at` is the time the round itself recorded (taken a little after
         it was started); the next round is spaced from it, so the times clients
         see are never closer than round_period. `blocked`: for each client the
-        round answered, whether it left that client's demand blocked (None: a
+        round answered, the groups it left blocked for it (empty: none; None: a
         reclaim or a failed round, which tell nothing).
         """
         slot = self._slots.get(key_id)
@@ -303,11 +313,11 @@ class Batcher:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
-            for client, left in (blocked or {}).items():
-                if left:
-                    slot.blocked.add(client)
+            for client, groups in (blocked or {}).items():
+                if groups:
+                    slot.blocked[client] = groups
                 else:
-                    slot.blocked.discard(client)
+                    slot.blocked.pop(client, None)
             self._reschedule(key_id, slot)
 
     def next_wake(self) -> float | None:
