@@ -337,7 +337,7 @@ class Gate:
             self._admit()
             self._raise_for_idle_pool()
             self._return_unused()
-            if self.state.held and self._free() > 0:
+            if self.state.held:  # slots came free, or soon-free ones changed hands
                 for client in self.clients.values():
                     client.room_changed()
             if now >= self._next_watch:

@@ -27,7 +27,8 @@ def batcher() -> Batcher:
 
 
 def req(at: float, n: int = 0, *, released: int | None = None) -> Waiting:
-    body: dict[str, object] = {"n": n, "client_id": f"client-{n}"}
+    body: dict[str, object] = {"n": n, "client_id": f"client-{n}",
+                               "demand": [{"group": None, "count": 1}]}
     if released is not None:
         body.update(grants=[{"grant_id": "g", "claimed": released, "released": released}])
     return Waiting(body, "reply", f"c{n}", at)
@@ -337,12 +338,14 @@ def test_a_new_client_of_a_contended_key_gets_a_round_at_once() -> None:
     # too is blocked.
     b = after_one_round()
     b.add(K, req(1.5, 2))  # parked
-    b.add(K, Waiting({"client_id": "newcomer"}, "reply", "cx", 1.6))
+    b.add(K, Waiting({"client_id": "newcomer", "demand": [{"group": None, "count": 1}]},
+                      "reply", "cx", 1.6))
     assert b.round_at(K) == pytest.approx(1.6 + FREE_GATHER)
     (job,) = b.take_due(1.6 + FREE_GATHER)
     assert isinstance(job, Round) and len(job.requests) == 2
     b.finished(K, blocked={"newcomer": frozenset({None}), "client-2": frozenset()})
-    b.add(K, Waiting({"client_id": "newcomer"}, "reply", "cy", 1.7))
+    b.add(K, Waiting({"client_id": "newcomer", "demand": [{"group": None, "count": 1}]},
+                      "reply", "cy", 1.7))
     assert b.round_at(K) == pytest.approx(1.6 + FREE_GATHER + PERIOD + GATHER)
     b.add(K, req(1.8, 2))  # served last round: no longer parked
     assert b.round_at(K) == pytest.approx(1.8 + FREE_GATHER)
@@ -362,3 +365,17 @@ def test_a_blocked_client_asking_for_another_group_is_not_parked() -> None:
             "demand": [{"group": "capped", "count": 2}, {"group": None, "count": 1}]}
     b.add(K, Waiting(both, "reply", "c2", 1.2))
     assert b.round_at(K) == pytest.approx(1.2 + FREE_GATHER)
+
+
+def test_a_report_alone_is_never_parked_and_news_is_per_grant() -> None:
+    b = after_one_round()
+    sync = {"client_id": "client-1", "grants": [{"grant_id": "a", "claimed": 1, "released": 0}]}
+    b.add(K, Waiting(sync, "reply", "s1", 1.1))  # a claim: its client awaits the answer
+    assert b.round_at(K) == pytest.approx(1.1 + FREE_GATHER)
+    b.take_due(1.1 + FREE_GATHER)
+    b.finished(K, blocked=BLOCKED)
+    # A release beyond what the client's last request listed for that grant: news.
+    b.add(K, Waiting({"client_id": "client-1", "demand": [{"group": None, "count": 1}],
+                      "grants": [{"grant_id": "a", "claimed": 1, "released": 1}]},
+                     "reply", "s2", 1.2))
+    assert b.round_at(K) == pytest.approx(1.2 + PROMPT)
