@@ -37,7 +37,8 @@ class ReplyPublisher:
         self._expire_by_hand = False
         """Redis on a kombu that ignores x-expires: PEXPIRE each reply queue pushed to."""
         self._pushed: list[str] = []
-        """Reply queues to PEXPIRE once the open batch is sent (kept when expire_by_hand)."""
+        """With expire_by_hand: queues pushed to and not yet expired (until the open batch
+        is sent, or just after a reply sent at once)."""
 
     @contextmanager
     def batch(self) -> Iterator[None]:
