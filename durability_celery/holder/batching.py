@@ -317,6 +317,10 @@ class Batcher:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
+            if blocked is not None and not any(blocked.values()):
+                # Nobody this round answered is blocked: capacity that came back may be
+                # unallocated now, so no one waits parked for it.
+                slot.blocked.clear()
             for client, groups in (blocked or {}).items():
                 if groups:
                     slot.blocked[client] = groups

@@ -379,3 +379,14 @@ def test_a_report_alone_is_never_parked_and_news_is_per_grant() -> None:
                       "grants": [{"grant_id": "a", "claimed": 1, "released": 1}]},
                      "reply", "s2", 1.2))
     assert b.round_at(K) == pytest.approx(1.2 + PROMPT)
+
+
+def test_a_round_that_blocks_nobody_unparks_everyone() -> None:
+    # Capacity came back and went to nobody (no one who asked in that round was
+    # blocked): a client blocked before asks next with nothing to wait for.
+    b = after_one_round()
+    b.add(K, req(1.1, 3, released=1))
+    assert len(b.take_due(1.1 + PROMPT)) == 1
+    b.finished(K, blocked={"client-3": frozenset()})
+    b.add(K, req(1.2, 2))  # blocked by the first round, now not parked
+    assert b.round_at(K) == pytest.approx(1.2 + FREE_GATHER)
