@@ -1,6 +1,7 @@
 # The SQL store: tables, migrations and one locked transaction per round.
 # Rule: it holds no allocation policy; the pure core decides, the store persists.
-from .engine import create_engine, prepare_engine, transaction
+from .engine import create_engine, prepare_engine, run_transaction, transaction
+from .queries import all_keys, deadlines, prune_keys, silent_clients
 from .schema import (
     SCHEMA_VERSION,
     check_version,
@@ -11,7 +12,8 @@ from .schema import (
     metadata,
     migrate,
 )
-from .sql import all_keys, deadlines, load, prune_keys, read, save, silent_clients
+from .sql import load, load_many, read
+from .writes import save, save_many
 
 __all__ = [
     # schema
@@ -27,10 +29,13 @@ __all__ = [
     "create_engine",
     "prepare_engine",
     "transaction",
+    "run_transaction",
     # state
     "load",
     "read",
     "save",
+    "load_many",
+    "save_many",
     # queries
     "all_keys",
     "deadlines",
