@@ -235,6 +235,10 @@ class DurabilitySemaphore:
         if not changes:
             raise _NoneCommitted(done)  # roll back the key rows a failed first round made
         store.save_many(conn, changes, now=at)
+        unused = [key for key, result in done.items()
+                  if isinstance(result, Exception) and olds[key].rounds == 0]
+        if unused:
+            store.forget_unused_keys(conn, self.name, unused)
         return done
 
     def reclaim(self, key: str, *, now: float | None = None) -> float | None:

@@ -12,7 +12,7 @@ from .schema import (
     metadata,
     migrate,
 )
-from .sql import load, load_many, read
+from .sql import forget_unused_keys, load, load_many, read
 from .writes import save, save_many
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "read",
     "save",
     "load_many",
+    "forget_unused_keys",
     "save_many",
     # queries
     "all_keys",

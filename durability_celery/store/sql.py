@@ -71,10 +71,12 @@ _KEY_COLUMNS = (keys.c.key, keys.c.last_round_at, keys.c.rounds, keys.c.limit, k
 _SELECT_KEYS = {postgres: select(*_KEY_COLUMNS).where(_of_keys(keys, postgres))
                 for postgres in (True, False)}
 # Locked in key order, so batches that overlap wait for each other instead of
-# deadlocking (on SQLite, BEGIN IMMEDIATE already serializes rounds).
+# deadlocking (see load_many; on SQLite, BEGIN IMMEDIATE serializes rounds).
 _LOCK_KEYS = {postgres: _SELECT_KEYS[postgres].order_by(keys.c.key).with_for_update()
               for postgres in (True, False)}
 _UPDATE_KEY = update(keys).where(_of_key(keys))
+_DELETE_UNUSED_KEYS = {postgres: delete(keys).where(_of_keys(keys, postgres), keys.c.rounds == 0)
+                       for postgres in (True, False)}
 _SELECT_CLIENTS = {
     postgres: select(clients.c.key, clients.c.client_id, clients.c.last_seen_at)
     .where(_of_keys(clients, postgres)).order_by(clients.c.client_id)
@@ -137,26 +139,31 @@ def load(conn: Connection, semaphore: str, key: str) -> KeyState:
 
 def load_many(conn: Connection, semaphore: str, wanted: Iterable[str]) -> dict[str, KeyState]:
     """The states of `wanted` keys of `semaphore` for one round each: their key rows are
-    locked (in key order) and inserted if missing, all before any grant or lease is read,
-    so a concurrent round for one of these keys waits here and then reads what it
-    committed (or, if `prune_keys` deleted a row meanwhile, finds none and starts that
-    key afresh). One statement per table reads the whole batch."""
+    inserted if missing and locked, all before any grant or lease is read, so a
+    concurrent round for one of these keys waits here and then reads what it committed
+    (or, if `prune_keys` deleted a row meanwhile, finds none and starts that key
+    afresh). One statement per table reads the whole batch.
+
+    Deadlock-free between batches: every batch first inserts its missing rows in key
+    order (an insert waits for another transaction's insert of the same key), then
+    locks the other rows in key order, so no two batches wait for each other in a
+    circle. Locking existing rows first and inserting after did deadlock."""
     rows: dict[str, tuple[Any, ...]] = {}
     fresh: list[str] = []
     pending = sorted(set(wanted))
     for _ in range(3):  # a row pruned between a lost insert and its read: insert again
-        found = _key_rows(conn, semaphore, pending, lock=True)
-        rows.update(found)
-        missing = [key for key in pending if key not in found]
-        # First rounds. Two racing first rounds both insert; the loser's insert does
-        # nothing (PostgreSQL waits for the winner's commit) and it reads what the winner
+        # Two racing first rounds both insert; the loser's insert does nothing
+        # (PostgreSQL waits for the winner's commit) and it reads what the winner
         # wrote. A row this transaction inserted is new and locked by the insert, and
         # nothing refers to a key without a row (rows hang off a key only from its
         # rounds, and prune_keys deletes a row only when none does): its state is the
         # empty one, and reading it would cost statements for nothing.
-        made = _insert_keys(conn, semaphore, missing) if missing else set()
+        made = _insert_keys(conn, semaphore, pending)
         fresh.extend(made)
-        pending = [key for key in missing if key not in made]
+        rest = [key for key in pending if key not in made]
+        found = _key_rows(conn, semaphore, rest, lock=True) if rest else {}
+        rows.update(found)
+        pending = [key for key in rest if key not in found]
         if not pending:
             break
     if pending:
@@ -164,6 +171,15 @@ def load_many(conn: Connection, semaphore: str, wanted: Iterable[str]) -> dict[s
     states = {key: KeyState(semaphore=semaphore, key=key) for key in fresh}
     states.update(_states(conn, semaphore, rows))
     return states
+
+
+def forget_unused_keys(conn: Connection, semaphore: str, unused: Sequence[str]) -> None:
+    """Delete the rows of `unused` keys that never had a round saved (rounds 0): those
+    `load_many` inserted for rounds that then failed, so a failed first round in a
+    batch leaves no row behind, as its own rolled-back transaction would not."""
+    for chunk in _chunks(conn, unused):
+        conn.execute(_DELETE_UNUSED_KEYS[_postgres(conn)],
+                     {"b_semaphore": semaphore, "b_keys": chunk})
 
 
 def read(conn: Connection, semaphore: str, key: str, *, lock: bool = False) -> KeyState | None:
