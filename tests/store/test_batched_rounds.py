@@ -215,3 +215,27 @@ def test_two_holders_with_overlapping_batches_never_over_allocate_or_deadlock(
     finally:
         engine.dispose()
 
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_a_pooled_connection_killed_between_rounds_is_replaced_without_a_failure(
+        database_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    # What pool_pre_ping caught with a SELECT 1 before every round: a database
+    # restart leaves the pool's connections dead. The round now runs again, once.
+    DurabilitySemaphore.migrate(database_url)
+    sem = DurabilitySemaphore(f"s-{secrets.token_hex(3)}", database=database_url, limit=2)
+    killer = store.create_engine(database_url)
+    try:
+        assert sem.run_rounds([("a", []), ("b", [])], now=T0) == [[], []]
+        with killer.connect() as conn:
+            killed = conn.execute(sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar()
+        assert killed >= 1
+        with caplog.at_level("WARNING", logger="durability_celery.store"):
+            assert sem.run_rounds([("a", []), ("c", [])], now=T0 + 1) == [[], []]
+        assert "connection lost" in caplog.text
+        assert sem.state("a").rounds == 2 and sem.state("c").rounds == 1
+    finally:
+        killer.dispose()
+        sem.close()
