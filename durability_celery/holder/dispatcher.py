@@ -34,6 +34,10 @@ MAX_SLEEP = 0.5
 MAX_BATCH = 200
 """Most keys whose rounds run in one transaction: bounds how long their rows stay
 locked and how long one batch's replies wait for its slowest key."""
+OVERLOAD_LAG = 1.0
+"""Seconds a due job may wait for a free round thread before the holder says it is
+overloaded (`Dispatcher.overloaded`, and a warning at most every OVERLOAD_LOG_EVERY)."""
+OVERLOAD_LOG_EVERY = 30.0
 MAX_EVENTS_PER_PASS = 100
 """Events handled between two looks at the due jobs; their replies go out together
 (ReplyPublisher.batch). Bounded, so a busy inbox delays neither the replies nor
@@ -100,6 +104,9 @@ class Dispatcher(threading.Thread):
         self._round_threads = round_threads
         self._running = 0
         self._jobs = 0  # batches and reclaims started and not done: the busy round threads
+        self._next_overload_log = 0.0
+        self.overloaded = False
+        """Whether due rounds wait more than OVERLOAD_LAG for a round thread (read anywhere)."""
         self._next_scan = 0.0
 
     # --- called from other threads ---------------------------------------
@@ -221,10 +228,22 @@ class Dispatcher(threading.Thread):
             for jobs in rounds.values():
                 for start in range(0, len(jobs), MAX_BATCH):
                     self._submit(self._run_batch, jobs[start:start + MAX_BATCH])
+        self._check_overload(now)
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval
             self._running += 1
             self._track(self._pool.submit(self._scan))
+
+    def _check_overload(self, now: float) -> None:
+        wake = self._batcher.next_wake()  # may be stale, never later than the first due job
+        lag = 0.0 if wake is None else now - wake
+        self.overloaded = lag > OVERLOAD_LAG
+        if self.overloaded and now >= self._next_overload_log:
+            self._next_overload_log = now + OVERLOAD_LOG_EVERY
+            logger.warning(
+                "durability holder: overloaded: due rounds wait %.1f s for a round thread, "
+                "%d requests waiting; more holders (--durability-shards) or a longer "
+                "round_period would help", lag, self._batcher.waiting_count())
 
     def _submit(self, run: Callable[[Any], None], job: object) -> None:
         self._running += 1

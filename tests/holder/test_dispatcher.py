@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from durability_celery.errors import InfrastructureError
+from durability_celery.holder import dispatcher as dispatcher_module
 from durability_celery.holder.batching import Waiting
 from durability_celery.holder.dispatcher import MAX_EVENTS_PER_PASS, Dispatcher
 
@@ -260,3 +261,28 @@ def test_a_key_that_fails_alone_leaves_its_batch_answered() -> None:
     answers = {c: b for _, c, b, _ in pub.sent}
     assert answers["c2"]["error"]["code"] == "unavailable"
     assert answers["c1"]["n"] == 1 and answers["c3"]["n"] == 3
+
+
+def test_due_rounds_waiting_for_busy_threads_make_it_say_it_is_overloaded(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(dispatcher_module, "OVERLOAD_LAG", 0.1)
+    sem, pub = FakeSemaphore(), FakePublisher()
+    dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
+                            round_threads=1, scan_interval=100.0)  # type: ignore[arg-type]
+    sem.gates["first"] = threading.Event()
+    dispatcher.start()
+    try:
+        send(dispatcher, "first", 0)
+        wait_for(lambda: ("round", "first", 1) in sem.calls)
+        assert not dispatcher.overloaded
+        with caplog.at_level("WARNING", logger="durability_celery.holder"):
+            send(dispatcher, "next", 1)  # due, and no thread to run it
+            wait_for(lambda: dispatcher.overloaded)
+            send(dispatcher, "more", 2)
+            time.sleep(0.05)
+        assert caplog.text.count("overloaded") == 1  # logged once, not per pass
+        sem.gates["first"].set()
+        wait_for(lambda: len(pub.sent) == 3)
+        wait_for(lambda: not dispatcher.overloaded)
+    finally:
+        dispatcher.stop(timeout=5)
