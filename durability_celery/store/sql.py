@@ -35,12 +35,36 @@ def _of_key(table: sa.Table) -> sa.ColumnElement[bool]:
                    table.c.key == bindparam("b_key"))
 
 
-def _of_keys(table: sa.Table, postgres: bool) -> sa.ColumnElement[bool]:
-    """The rows of a list of keys of one semaphore: `= ANY(array)` on PostgreSQL (one
-    statement text whatever the count, planned as an index scan), `IN` on SQLite."""
-    wanted = (table.c.key == sa.any_(bindparam("b_keys", type_=_STRINGS)) if postgres
-              else table.c.key.in_(bindparam("b_keys", expanding=True)))
-    return sa.and_(table.c.semaphore == bindparam("b_semaphore"), wanted)
+def _of_keys(table: sa.Table) -> sa.ColumnElement[bool]:
+    """The rows of a list of keys of one semaphore, on SQLite (`IN`, chunked)."""
+    return sa.and_(table.c.semaphore == bindparam("b_semaphore"),
+                   table.c.key.in_(bindparam("b_keys", expanding=True)))
+
+
+def _per_key(query: sa.Select[Any], table: sa.Table, *, lock: bool) -> sa.Select[Any]:
+    """`query` over `table`, run for each key of an array on PostgreSQL: a nested loop
+    of one primary-key lookup per key, whatever the table's statistics. On a table
+    not yet analyzed, `key = ANY(array)` was planned as a scan of the semaphore's every
+    row with the keys as a filter, and a lookup per key could take another index
+    that matches the semaphore alone: each batch's reads grew with the table. Rows
+    come key by key, in the array's order, and are locked in that order with `lock`."""
+    wanted = sa.func.unnest(bindparam("b_keys", type_=_STRINGS)) \
+        .table_valued("key").render_derived(name="w")
+    primary = list(table.primary_key.columns)
+    # In primary-key order, which only that index gives without a sort: it wins.
+    inner = query.where(table.c.semaphore == bindparam("b_semaphore"),
+                        table.c.key == wanted.c.key).order_by(*primary)
+    # OFFSET 0 keeps the planner from flattening the subquery into a join of its
+    # own choosing (FOR UPDATE does too): the lookup must stay per key.
+    found = (inner.with_for_update() if lock else inner.offset(0)).lateral("found")
+    return select(*found.c).select_from(wanted).join(found, sa.true())
+
+
+def _of_many(query: sa.Select[Any], table: sa.Table, postgres: bool, *,
+             lock: bool = False) -> sa.Select[Any]:
+    if postgres:
+        return _per_key(query, table, lock=lock)
+    return query.where(_of_keys(table))
 
 
 class _Statements:
@@ -52,11 +76,11 @@ class _Statements:
         self.table = table
         self.id_column = id_column
         self.columns = columns
-        self.select = {
-            postgres: select(table.c.key, *(table.c[c] for c in columns))
-            .where(_of_keys(table, postgres)).order_by(table.c[order], ident)
-            for postgres in (True, False)
-        }
+        self.select = {}
+        for postgres in (True, False):
+            rows = _of_many(select(table.c.key, *(table.c[c] for c in columns)), table, postgres)
+            self.select[postgres] = rows.order_by(rows.selected_columns[order],
+                                                  rows.selected_columns[id_column])
         # SET columns come from each parameter set's keys.
         self.update = update(table).where(_of_key(table), ident == bindparam("b_id"))
         self.delete_any = delete(table).where(
@@ -68,18 +92,38 @@ class _Statements:
 _GRANTS = _Statements(grants, "grant_id", GRANT_COLUMNS, "created_at")
 _LEASES = _Statements(leases, "lease_id", LEASE_COLUMNS, "issued_at")
 _KEY_COLUMNS = (keys.c.key, keys.c.last_round_at, keys.c.rounds, keys.c.limit, keys.c.blocked)
-_SELECT_KEYS = {postgres: select(*_KEY_COLUMNS).where(_of_keys(keys, postgres))
+_SELECT_KEYS = {postgres: _of_many(select(*_KEY_COLUMNS), keys, postgres)
                 for postgres in (True, False)}
-# Locked in key order, so batches that overlap wait for each other instead of
-# deadlocking (see load_many; on SQLite, BEGIN IMMEDIATE serializes rounds).
-_LOCK_KEYS = {postgres: _SELECT_KEYS[postgres].order_by(keys.c.key).with_for_update()
-              for postgres in (True, False)}
+# Locked in key order (the array's, sorted by load_many), so batches that overlap
+# wait for each other instead of deadlocking (on SQLite, BEGIN IMMEDIATE
+# serializes rounds).
+_LOCK_KEYS = {True: _of_many(select(*_KEY_COLUMNS), keys, True, lock=True),
+              False: _SELECT_KEYS[False]}
 _UPDATE_KEY = update(keys).where(_of_key(keys))
-_DELETE_UNUSED_KEYS = {postgres: delete(keys).where(_of_keys(keys, postgres), keys.c.rounds == 0)
-                       for postgres in (True, False)}
+
+
+def _write_keys_postgres() -> Any:
+    # Key rows are written as an upsert of rows that exist (locked by load_many): one
+    # statement for a batch, and the conflict is found through the primary key
+    # whatever the statistics. A plain UPDATE by (semaphore, key), planned on a table
+    # not yet analyzed, took the deadline index and filtered every key of the semaphore.
+    stmt = postgresql.insert(keys)
+    columns = ("last_round_at", "rounds", "limit", "next_claim_deadline", "blocked",
+               "updated_at")
+    return stmt.on_conflict_do_update(index_elements=[keys.c.semaphore, keys.c.key],
+                                      set_={c: stmt.excluded[c] for c in columns})
+
+
+_WRITE_KEYS_POSTGRES = _write_keys_postgres()
+_DELETE_UNUSED_KEYS = {
+    True: delete(keys).where(keys.c.semaphore == bindparam("b_semaphore"), keys.c.rounds == 0,
+                             keys.c.key == sa.any_(bindparam("b_keys", type_=_STRINGS))),
+    False: delete(keys).where(_of_keys(keys), keys.c.rounds == 0),
+}
 _SELECT_CLIENTS = {
-    postgres: select(clients.c.key, clients.c.client_id, clients.c.last_seen_at)
-    .where(_of_keys(clients, postgres)).order_by(clients.c.client_id)
+    postgres: (q := _of_many(select(clients.c.key, clients.c.client_id,
+                                    clients.c.last_seen_at), clients, postgres))
+    .order_by(q.selected_columns["client_id"])
     for postgres in (True, False)
 }
 _NEW_KEY = {"rounds": 0, "blocked": "[]"}
@@ -109,9 +153,8 @@ def _upsert_clients(dialect: Any) -> Any:
     )
 
 
+# Also how PostgreSQL stamps clients already there, for the reason of _WRITE_KEYS_POSTGRES.
 _UPSERT_CLIENTS = {"postgresql": _upsert_clients(postgresql), "sqlite": _upsert_clients(sqlite)}
-_TOUCH_CLIENTS_ANY = (update(clients).where(
-    _of_key(clients), clients.c.client_id == sa.any_(bindparam("b_ids", type_=_STRINGS))))
 _TOUCH_CLIENT = update(clients).where(_of_key(clients), clients.c.client_id == bindparam("b_id"))
 _DELETE_CLIENT = delete(clients).where(_of_key(clients), clients.c.client_id == bindparam("b_id"))
 

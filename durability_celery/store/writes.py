@@ -19,9 +19,9 @@ from .sql import (
     _GRANTS,
     _LEASES,
     _TOUCH_CLIENT,
-    _TOUCH_CLIENTS_ANY,
     _UPDATE_KEY,
     _UPSERT_CLIENTS,
+    _WRITE_KEYS_POSTGRES,
     _blocked_to_json,
     _postgres,
     _Statements,
@@ -57,7 +57,10 @@ def save_many(conn: Connection, changes: Iterable[tuple[KeyState, KeyState]], *,
     grants.flush(conn)
     leases.flush(conn)
     clients.flush(conn)
-    if key_rows:
+    if key_rows and _postgres(conn):
+        conn.execute(_WRITE_KEYS_POSTGRES, [
+            {"semaphore": r.pop("b_semaphore"), "key": r.pop("b_key"), **r} for r in key_rows])
+    elif key_rows:
         conn.execute(_UPDATE_KEY, key_rows)
 
 
@@ -156,8 +159,8 @@ class _ClientWrites:
         after = {c.client_id: c.last_seen_at for c in new.clients}
         added = [{"semaphore": where["b_semaphore"], "key": where["b_key"], "client_id": c,
                   "last_seen_at": at} for c, at in after.items() if c not in before]
-        # Every client heard in a round gets the same stamp: one update per stamp
-        # and key, not one per client.
+        # Every client heard in a round gets the same stamp: on SQLite, one update
+        # per stamp and key, not one per client.
         moved: dict[float, list[str]] = {}
         for c, at in after.items():
             if c in before and before[c] != at:
@@ -169,13 +172,14 @@ class _ClientWrites:
         return bool(added or moved or gone)
 
     def flush(self, conn: Connection) -> None:
-        if self.added:
-            conn.execute(_UPSERT_CLIENTS[conn.dialect.name], self.added)
-        if self.moved and _postgres(conn):
-            conn.execute(_TOUCH_CLIENTS_ANY,
-                         [{**where, "b_ids": ids} for where, ids in self.moved])
+        if self.moved and _postgres(conn):  # rows that are there, upserted: see sql.py
+            self.added += [{"semaphore": where["b_semaphore"], "key": where["b_key"],
+                            "client_id": c, "last_seen_at": where["last_seen_at"]}
+                           for where, ids in self.moved for c in ids]
         elif self.moved:
             conn.execute(_TOUCH_CLIENT,
                          [{**where, "b_id": c} for where, ids in self.moved for c in ids])
+        if self.added:
+            conn.execute(_UPSERT_CLIENTS[conn.dialect.name], self.added)
         if self.gone:
             conn.execute(_DELETE_CLIENT, self.gone)
