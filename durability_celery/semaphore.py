@@ -207,7 +207,7 @@ class DurabilitySemaphore:
         return [r if r is not None else RuntimeError("no result") for r in results]
 
     def _check_round(self, item: object, todo: dict[str, Any]) -> tuple[str, Sequence[object]]:
-        if not isinstance(item, tuple) or len(item) != 2:
+        if not isinstance(item, tuple | list) or len(item) != 2:
             raise CallerError("each batch item must be a (key, messages) pair")
         key, messages = self._check_key(item[0]), item[1]
         if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):

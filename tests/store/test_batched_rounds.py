@@ -239,3 +239,73 @@ def test_a_pooled_connection_killed_between_rounds_is_replaced_without_a_failure
     finally:
         killer.dispose()
         sem.close()
+
+
+def _group_limit(key: str, group: str) -> int | None:
+    return {"narrow": 1, "wide": None}.get(group, 2)
+
+
+def _can_grant(key: str, client_id: str, group: str | None) -> bool:
+    return not (key == "k3" and client_id.endswith("-c2"))
+
+
+def _random_messages(rng: random.Random, name: str, key: str, held: dict[str, dict[str, int]],
+                     now: float) -> list[dict[str, Any]]:
+    """One to three clients' requests or syncs, reporting some of their grants."""
+    out = []
+    for client in rng.sample([f"{key}-c{n}" for n in range(3)], rng.randint(1, 3)):
+        grants = held.setdefault(client, {})
+        reports = []
+        for gid, permits in list(grants.items()):
+            if rng.random() < 0.6:
+                claimed = rng.randint(0, permits)
+                released = rng.randint(0, claimed)
+                reports.append({"grant_id": gid, "claimed": claimed, "released": released})
+        message: dict[str, Any] = {"type": "request", "v": 1, "semaphore": name, "key": key,
+                                   "client_id": client, "grants": reports}
+        if rng.random() < 0.25:
+            message["type"] = "sync"
+        else:
+            message["demand"] = [{"group": g, "count": rng.randint(0, 4), "oldest_at": now - 1}
+                                 for g in rng.sample([None, "narrow", "wide"], rng.randint(1, 2))]
+        out.append(message)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches_match_key_by_key_rounds(
+        database_url: str, deterministic_ids: Callable[[], None], seed: int) -> None:
+    DurabilitySemaphore.migrate(database_url)
+    rng = random.Random(seed)
+    suffix = secrets.token_hex(3)
+    options: dict[str, Any] = {"limit": lambda key: 1 + int(key[1:]) % 4,
+                               "group_limit": _group_limit, "can_grant": _can_grant,
+                               "grant_timeout": 5.0}
+    batched = DurabilitySemaphore(f"b-{suffix}", database=database_url, **options)
+    single = DurabilitySemaphore(f"s-{suffix}", database=database_url, **options)
+    held: dict[str, dict[str, dict[str, int]]] = {}
+    try:
+        for step in range(8):
+            now = T0 + step * rng.choice([0.5, 3.0, 7.0])  # some grants expire unclaimed
+            keys = rng.sample([f"k{n}" for n in range(6)], rng.randint(1, 6))
+            batch = [(k, _random_messages(rng, batched.name, k, held.setdefault(k, {}), now))
+                     for k in keys]
+            deterministic_ids()
+            together = batched.run_rounds(batch, now=now)
+            deterministic_ids()
+            alone = [single.run_round(k, json.loads(_same(m, batched.name).replace(
+                "<sem>", single.name)), now=now) for k, m in batch]
+            assert _same(together, batched.name) == _same(alone, single.name)
+            assert _rows(batched.engine, batched.name) == _rows(single.engine, single.name)
+            for (k, messages), responses in zip(batch, together, strict=True):
+                for message, response in zip(messages, responses, strict=True):
+                    assert not isinstance(response, Exception)
+                    grants = held[k].setdefault(message["client_id"], {})
+                    for grant in response.get("grants", ()):
+                        if grant["status"] == "active":
+                            grants[grant["grant_id"]] = grant["permits"]
+                        else:
+                            grants.pop(grant["grant_id"], None)
+    finally:
+        batched.close()
+        single.close()
