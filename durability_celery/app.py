@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .client import SemaphoreClient
+from .compat import check_versions
 from .errors import ConfigurationError
 from .holder.batching import gathering_moment
 from .routing import control_queue, holder_queue, shard_for
@@ -28,6 +29,7 @@ class Durability:
         *,
         settings: DurabilitySettings | None = None,
     ) -> None:
+        check_versions()  # an unsupported celery or kombu stops start-up with one line
         if app in _REGISTRY:
             raise ConfigurationError("this Celery app already has a Durability configuration")
         self.app = app

@@ -41,6 +41,12 @@ class InfrastructureError(DurabilityError):
     """The database or broker failed; the operation may be retried."""
 
 
+class SchemaMissing(InfrastructureError):
+    """The database has no durability tables: `durability-celery migrate` never ran on it.
+
+    An InfrastructureError, as clients should ask again: it serves once migrated."""
+
+
 class RequestTimeout(InfrastructureError):
     """The holder did not answer a request within its timeout."""
 

@@ -24,11 +24,10 @@ from .callbacks import (
 )
 from .core.clients import Forgotten, forget_client
 from .core.config import Leases, RoundConfig, validate_seconds
+from .core.messages import MAX_KEY_LENGTH
 from .core.round import KeyState, reclaim, run_round, with_lease_deadline
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
-
-MAX_KEY_LENGTH = 200
 
 
 class _NoneCommitted(Exception):
@@ -40,21 +39,21 @@ class _NoneCommitted(Exception):
 
 
 class _MigrateEngine(Protocol):
-    def __call__(self, engine: Engine | str, target: int | None = ...) -> None: ...
+    def __call__(self, engine: Engine | str,
+                 target: int | None = ...) -> store.MigrateOutcome: ...
 
 
 class _MigrateSelf(Protocol):
-    def __call__(self, target: int | None = ...) -> None: ...
+    def __call__(self, target: int | None = ...) -> store.MigrateOutcome: ...
 
 
 def _migrate_database(engine: Engine | str,
-                      target: int | None = store.SCHEMA_VERSION) -> None:
+                      target: int | None = store.SCHEMA_VERSION) -> store.MigrateOutcome:
     if isinstance(engine, Engine):
-        store.migrate(store.prepare_engine(engine), target)
-        return
+        return store.migrate(store.prepare_engine(engine), target)
     made = store.create_engine(engine)
     try:
-        store.migrate(made, target)
+        return store.migrate(made, target)
     finally:
         made.dispose()
 
@@ -75,8 +74,8 @@ class _Migrate:
             return _migrate_database
         engine = instance.engine
 
-        def migrate(target: int | None = store.SCHEMA_VERSION) -> None:
-            store.migrate(engine, target)
+        def migrate(target: int | None = store.SCHEMA_VERSION) -> store.MigrateOutcome:
+            return store.migrate(engine, target)
 
         return migrate
 

@@ -3,13 +3,14 @@
 # `filesystem://`): the embedded broker of the demo, worker_config's default
 # and the examples. Rule: a consumer never sees a half-written file.
 #
-# Why: kombu 5.7's filesystem transport creates a message file, then locks and
+# Why: kombu's filesystem transport creates a message file, then locks and
 # writes it, while consumers move and read files without taking the lock; a
 # consumer that picks a file up between create and write reads b"" and the
 # message is lost (the holder saw about 1 in 100) or the worker dies with
 # JSONDecodeError. The same happens to an exchange file that two processes
 # create at once. Here both are written under a name no reader picks up and
-# renamed (or hard-linked) into place, so readers see all or nothing.
+# renamed (or hard-linked) into place, so readers see all or nothing (the
+# temporary name and the exchange file's path come from compat.py).
 from __future__ import annotations
 
 import os
@@ -22,6 +23,8 @@ from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils import json as kombu_json
 
+from . import compat
+
 SCHEME = "durability-filesystem"
 
 # kombu's own encoder (it handles the types kombu puts into a payload).
@@ -30,7 +33,7 @@ _dumps: Any = kombu_json.dumps
 
 def _write_atomically(final: Path, data: bytes, *, replace: bool) -> bool:
     """Write `data` to `final` all at once; with replace=False, only if it does not exist."""
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    tmp = compat.temporary_beside(final)
     tmp.write_bytes(data)
     try:
         if replace:
@@ -58,8 +61,7 @@ class Channel(filesystem.Channel):
             raise ChannelError(f"Cannot add file {name!r} to directory") from exc
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
-        exchange_file: Any = self._exchange_file
-        file: Path = exchange_file(exchange)
+        file = compat.exchange_file(self, exchange)
         if not file.exists():
             self.control_folder.mkdir(exist_ok=True)
             _write_atomically(file, b"[]", replace=False)

@@ -23,6 +23,12 @@ PG_PORT = int(os.environ.get("DC_TEST_PG_PORT", "5432"))
 PG_ADMIN_DB = os.environ.get("DC_TEST_PG_ADMIN_DB", "test")
 REDIS_HOST = os.environ.get("DC_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("DC_TEST_REDIS_PORT", "6379"))
+REDIS_DB_OFFSET = int(os.environ.get("DC_TEST_REDIS_DB_OFFSET", "0"))
+"""Added to every Redis DB number the tests use (each area keeps its own numbers in its
+modules), so a second run beside the default one can take other DBs: with 16 DBs,
+offset 2 moves the holder's DB 1 to 3 and the gate tests' 4 and 5 to 6 and 7, DBs no
+other test or benchmark uses. Folders whose numbers would collide are not meant to
+run shifted beside the default run (tests/faults uses private Redis servers)."""
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -106,10 +112,20 @@ def reset_postgres(url: str) -> None:
         conn.close()
 
 
+def redis_db(db: int) -> int:
+    """The Redis DB number a test module's `db` stands for (shifted by REDIS_DB_OFFSET)."""
+    return db + REDIS_DB_OFFSET
+
+
+def redis_db_url(db: int) -> str:
+    """The URL of the shared Redis's DB `db` (shifted by REDIS_DB_OFFSET)."""
+    return f"redis://{REDIS_HOST}:{REDIS_PORT}/{redis_db(db)}"
+
+
 def _redis_ping_flush(db: int) -> str:
     import redis
 
-    url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}"
+    url = redis_db_url(db)
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     try:
         require_service(f"Redis at {REDIS_HOST}:{REDIS_PORT}", client.ping)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import sqlalchemy as sa
+from support import redis_db
 
 REDIS_DB = 10
 
@@ -31,7 +32,7 @@ def test_redis_url_is_flushed(redis_url: str) -> None:
     import redis
 
     client = redis.Redis.from_url(redis_url)
-    assert redis_url.endswith("/10")
+    assert redis_url.endswith(f"/{redis_db(REDIS_DB)}")
     assert client.dbsize() == 0
     client.close()
 

@@ -36,6 +36,7 @@ class EnvError(ConfigurationError):
 
     def __init__(self, variable: str, problem: str) -> None:
         self.variable = variable
+        self.problem = problem
         super().__init__(f"{variable}: {problem}")
 
 

@@ -12,10 +12,13 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError, DurabilityError
 from ..semaphore import DurabilitySemaphore
+
+if TYPE_CHECKING:
+    from worker_config.env import WorkerConfig
 
 
 def describe_error(exc: BaseException) -> str | None:
@@ -71,12 +74,9 @@ def semaphores_from(args: argparse.Namespace) -> Iterator[dict[str, DurabilitySe
 
         yield dict(durability_for(_import_app(args.app)).semaphores)
         return
-    from worker_config.env import build_semaphore, load_config
+    from worker_config.env import build_semaphore
 
-    env = dict(os.environ)
-    if args.database:
-        env["DURABILITY_DATABASE_URL"] = args.database
-    config = load_config(env)
+    config = _env_config(args)
     built: dict[str, DurabilitySemaphore] = {
         spec.name: build_semaphore(spec, config.database_url) for spec in config.semaphores
     }
@@ -93,12 +93,34 @@ def database_url_of(args: argparse.Namespace) -> str:
             if not sems:
                 raise ConfigurationError(f"--app {args.app!r} configures no semaphores")
             return next(iter(sems.values())).engine.url.render_as_string(hide_password=False)
-    from worker_config.env import load_config
+    return _env_config(args).database_url
+
+
+def database_source(args: argparse.Namespace) -> str:
+    """What errors about the database URL name: the flag when the user typed one there."""
+    return "--database" if getattr(args, "database", None) else "DURABILITY_DATABASE_URL"
+
+
+def _env_config(args: argparse.Namespace) -> WorkerConfig:
+    """worker_config's configuration, with --database in place of DURABILITY_DATABASE_URL;
+    a bad URL is refused here, naming where the user typed it."""
+    from worker_config.env import EnvError, load_config
+
+    from .. import store
 
     env = dict(os.environ)
     if args.database:
         env["DURABILITY_DATABASE_URL"] = args.database
-    return load_config(env).database_url
+    source = database_source(args)
+    try:
+        config = load_config(env)
+    except EnvError as exc:
+        if exc.variable != "DURABILITY_DATABASE_URL":
+            raise
+        raise ConfigurationError(f"{source}: {exc.problem}") from None
+    # Building an engine only parses the URL and loads its driver: nothing connects.
+    store.create_engine(config.database_url, setting=source).dispose()
+    return config
 
 
 # --------------------------------------------------------------------------
@@ -110,10 +132,19 @@ def migrate_command(args: argparse.Namespace) -> int:
     path = _sqlite_path(url)
     if path is not None and not args.drop:
         path.parent.mkdir(parents=True, exist_ok=True)  # the embedded default's folder
-    DurabilitySemaphore.migrate(url, None if args.drop else _latest())
-    shown = _hide_password(url)
-    print(f"schema {'removed from' if args.drop else 'up to date in'} {shown}")
+    outcome = DurabilitySemaphore.migrate(url, None if args.drop else _latest())
+    print(_MIGRATED[outcome].format(url=_hide_password(url), version=_latest()))
     return 0
+
+
+# What `migrate` says it did: "up to date" only when it changed nothing.
+_MIGRATED = {
+    "created": "schema version {version} created in {url}",
+    "upgraded": "schema upgraded to version {version} in {url}",
+    "current": "schema up to date in {url} (version {version}); nothing changed",
+    "removed": "schema removed from {url}",
+    "absent": "no schema in {url}; nothing removed",
+}
 
 
 def _latest() -> int:

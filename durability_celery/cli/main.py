@@ -27,11 +27,22 @@ def _add_source_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    """The installed distribution's version (what pip shows), not a copy kept in code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("durability-celery")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="durability-celery",
         description="One shared concurrency budget per key across every Celery worker.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser("demo", help="run a live demo: holder, two client workers, beat")
@@ -57,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--snapshot-svg", metavar="PATH", help=argparse.SUPPRESS)
 
     usage = commands.add_parser("usage", help="the holder's usage of one key")
-    usage.add_argument("semaphore")
-    usage.add_argument("key")
+    usage.add_argument("semaphore", help="a configured semaphore's name")
+    usage.add_argument("key", help="the key whose usage to show, e.g. an account id")
     usage.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_source_options(usage)
 

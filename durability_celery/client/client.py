@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
@@ -27,6 +27,9 @@ from .replies import ErrorReply, parse_reply
 Order = tuple[float, int, str]
 """How queued items sort: (enqueued_at, arrival sequence, item_id)."""
 _UNTIL = itemgetter(0)  # kept idle permits, (until, permit), sort by until
+_DEADLINE = attrgetter("claim_deadline")
+KEEP_AT_LEAST = 1.0
+"""Seconds before its claim margin a grant permit kept for a soon-free slot goes back."""
 
 
 class Permit(NamedTuple):
@@ -231,29 +234,62 @@ class SemaphoreClient:
         return permit
 
     def return_unused(self) -> bool:
-        """Give back the grant permits that an admission just left unclaimed: no queued
-        item of their group is left to take them, or the pool has no slot to start one on.
-        Each is reported claimed and released (cumulative marks, so it is freed once), at
-        once: kept, it would idle here until its claim deadline while others wait."""
+        """Give back the grant permits an admission left unclaimed beyond what this worker
+        can start soon: per key, its queued items within its room (free slots, and the
+        slots of running items that give way to it when they end: _soon_free). Each is
+        reported claimed and released (cumulative marks, so it is freed once), at once:
+        kept, it would idle here while others wait. A kept permit is looked at again at
+        every admission, and goes back well before its claim margin."""
         if not self._unused:
             return False
         now = self._clock()
         returned = False
+        keep_looking: set[str] = set()
         for key in self._unused:
             ledger = self._ledgers.get(key)
             if ledger is None or not ledger.open_grants:
                 continue
-            for grant in list(ledger.open_grants.values()):
+            budget = self._room(key)
+            left = math.inf if budget is None else max(0, budget)
+            queues = self._queues.get(key, {})
+            wanted = {group: len(queue) for group, queue in queues.items()}
+            for grant in sorted(ledger.open_grants.values(), key=_DEADLINE, reverse=True):
                 spare = grant.claimable(now, self.claim_margin)
-                if spare:
-                    grant.claimed += spare
-                    grant.released += spare
+                if grant.claim_deadline - self.claim_margin - now < KEEP_AT_LEAST:
+                    keep = 0
+                else:
+                    keep = int(min(spare, wanted.get(grant.group, 0), left))
+                if keep:
+                    wanted[grant.group] -= keep
+                    left -= keep
+                    keep_looking.add(key)
+                if spare > keep:
+                    grant.claimed += spare - keep
+                    grant.released += spare - keep
                     ledger.returned = True
             if ledger.returned:
                 self._changed(key)
                 returned = True
-        self._unused.clear()
+        self._unused = keep_looking
         return returned
+
+    def _soon_free(self, key: str) -> int:
+        """Running items of other keys whose slots go to `key`'s oldest queued item when
+        they end: nothing of their own key and group is queued, or only younger items
+        (see _older_elsewhere)."""
+        queues = self._queues.get(key)
+        if not queues or not self._admitted:
+            return 0
+        oldest = min(queue[0] for queue in queues.values())
+        count = 0
+        for permit in self._admitted.values():
+            if permit.key == key:
+                continue
+            own = self._queues.get(permit.key)
+            queue = own.get(permit.group) if own else None
+            if not queue or oldest < queue[0]:
+                count += 1
+        return count
 
     def room_changed(self) -> None:
         """Pool slots came free: keys with queued items may ask again (see free_slots)."""
@@ -395,13 +431,15 @@ class SemaphoreClient:
     def _older_elsewhere(self, key: str, group: str | None, successor: Order,
                          now: float) -> bool:
         """Whether an item of another key or group, queued before `successor`, could take
-        the slot instead: it has a permit at hand, or its key is free (one round trip).
-        The pool is shared by every key, and passing a permit on within its key would
-        keep the keys already running in the slots while older work of others waits."""
+        the slot instead: it has a permit at hand, or its group was not left blocked by
+        its key's last reply (a round trip away). The pool is shared by every key, and
+        passing a permit on within its key would keep the keys already running in the
+        slots while older work of others waits: with no free slot, those keys would not
+        even ask for permits."""
         for other, groups in self._queues.items():
             for other_group, queue in groups.items():
                 if ((other, other_group) != (key, group) and queue[0] < successor
-                        and (other not in self._urgent
+                        and (self.blocked_reason(other, other_group) is None
                              or self._held_permits(other, other_group, now) > 0)):
                     return True
         return False
@@ -644,7 +682,7 @@ class SemaphoreClient:
         if self._capacity is None or not self.handoff_window:
             return None
         if self.free_slots is not None:
-            return self.free_slots()
+            return self.free_slots() + self._soon_free(key)
         return self._capacity - sum(1 for p in self._admitted.values() if p.key == key)
 
     def message(self, key: str) -> dict[str, Any]:

@@ -457,19 +457,22 @@ class KeyLedger:
                   if self.urgent or stopping or self.returned
                   or (not queued_groups and self._nothing_in_use())
                   else gate)
-        # Demand the pool has room for asks at once on a free key (its holder admits it in
-        # one round trip); on a contended one at next_request_at, which the holder makes
-        # `now` for clients it left blocked, and holds their requests until capacity
-        # comes back. Items with no room still talk every round_period (a reply may say
-        # over_limit).
+        # Demand the pool has room for asks at once: a free key's holder admits it in one
+        # round trip, and a contended key's holder holds a request it cannot serve until
+        # capacity comes back (it may have come back since the last reply). Items with
+        # no room still talk every round_period (a reply may say over_limit).
         if demand:
-            times = [gate if self.urgent else self.backoff_until]
+            times = [self.backoff_until]
         elif waiting:
             times = [gate]
         else:
             times = []
         for g in self.grants.values():
-            if g.unreported():
+            if min(g.released, g.permits) > g.acked_released:
+                # Released grant permits are capacity only the holder can give on, and
+                # others may wait for it: they go at once, claims at the usual time.
+                times.append(self.backoff_until)
+            elif g.unreported():
                 times.append(prompt)
             if g.unreported_claims():
                 # The holder must hear of a claim before it reclaims the permit.

@@ -14,6 +14,8 @@ from .config import MAX_COUNT
 
 VERSION = 1
 MAX_ID_LENGTH = 200
+MAX_KEY_LENGTH = MAX_ID_LENGTH
+"""Longest key: the width of the store's key column, so a longer one could never be saved."""
 MAX_ENTRIES = 10_000
 """Most demand entries, grant reports or lease reports one message may carry."""
 MAX_QUEUED_AT = 256
@@ -230,6 +232,18 @@ def _lease_reports(message: Mapping[str, Any]) -> tuple[LeaseReport, ...]:
             raise InvalidMessage(f"{where}stopped", "must be a boolean")
         reports.append(LeaseReport(lease_id, drawn, released, stopped))
     return tuple(reports)
+
+
+def check_key(key: object) -> str:
+    """`key` if the holder can serve it; else InvalidMessage, before any round: an empty
+    or over-long key would reach the database and fail the round of every request
+    batched with it (answered `unavailable`, logged as a database failure)."""
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+        got = (f"got {type(key).__name__}" if not isinstance(key, str)
+               else f"got {len(key)} chars")
+        raise InvalidMessage(
+            "key", f"must be a non-empty string of at most {MAX_KEY_LENGTH} chars, {got}")
+    return key
 
 
 def parse_request(raw: object, *, semaphore: str, key: str) -> Request:

@@ -45,23 +45,31 @@ the requests sent together with it, short enough that a key whose budget covers 
 demand admits in about one round trip."""
 
 
-def frees(body: dict[str, Any]) -> int:
-    """What a request's reports have given back in all: released permits of its grants
-    and leases and stopped leases (cumulative, so it only grows per client). A hint for
-    scheduling only; the round validates and applies the reports themselves."""
-    total = 0
-    for field_name, count in (("grants", "released"), ("leases", "released")):
+def given_back(body: dict[str, Any]) -> dict[str, int]:
+    """What a request reports given back, per grant or lease id: its released permits, one
+    more for a stopped lease (its undrawn permits). Marks are cumulative per id, so a
+    higher one than the last request of the client listed is capacity come back. A hint
+    for scheduling only; the round validates and applies the reports themselves."""
+    marks: dict[str, int] = {}
+    for field_name, ident in (("grants", "grant_id"), ("leases", "lease_id")):
         reports = body.get(field_name)
         if not isinstance(reports, list):
             continue
         for report in reports:
-            if isinstance(report, dict):
-                value = report.get(count)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    total += value
-                if report.get("stopped") is True:
-                    total += 1
-    return total
+            if not isinstance(report, dict) or not isinstance(report.get(ident), str):
+                continue
+            value = report.get("released")
+            mark = value if isinstance(value, int) and not isinstance(value, bool) else 0
+            marks[report[ident]] = mark + (report.get("stopped") is True)
+    return marks
+
+
+def asked_groups(body: dict[str, Any]) -> frozenset[str | None]:
+    """The groups a request asks permits for (a hint, as `given_back` is)."""
+    demand = body.get("demand")
+    if not isinstance(demand, list):
+        return frozenset()
+    return frozenset(entry.get("group") for entry in demand if isinstance(entry, dict))
 
 
 def gathering_moment(round_wait: float) -> float:
@@ -113,10 +121,11 @@ class _Slot:
     """The earliest wake time of this slot in the heap (others there are stale). Rule:
     a slot that is not busy and has something pending (requests, an alarm, or a last
     round that still spaces the next) has a wake at or before its due time."""
-    blocked: set[str] = field(default_factory=set)
-    """Clients the key's rounds left blocked: their requests are parked."""
-    given_back: dict[str, int] = field(default_factory=dict)
-    """client_id -> the highest `frees` total seen from it, to tell news from repeats."""
+    blocked: dict[str, frozenset[str | None]] = field(default_factory=dict)
+    """client_id -> the groups the key's rounds left blocked for it: a request of that
+    client asking for those groups only is parked."""
+    given_back: dict[str, dict[str, int]] = field(default_factory=dict)
+    """client_id -> its last request's `given_back` marks, to tell news from repeats."""
     fresh_at: float | None = None
     """Arrival of the first waiting request that is not parked."""
     freed_at: float | None = None
@@ -154,13 +163,18 @@ class Batcher:
         client = request.body.get("client_id")
         at = request.arrived_at
         if isinstance(client, str):
-            total = frees(request.body)
-            if total > slot.given_back.get(client, 0):
-                slot.given_back[client] = total
+            marks = given_back(request.body)
+            before = slot.given_back.get(client, {})
+            slot.given_back[client] = marks
+            if any(mark > before.get(ident, 0) for ident, mark in marks.items()):
                 if slot.freed_at is None:
                     slot.freed_at = at
                 return
-            if client in slot.blocked:
+            # Parked: demand the last round could not serve, and nothing else. A report
+            # alone is not parked: its client's next message waits for its answer.
+            blocked = slot.blocked.get(client)
+            asked = asked_groups(request.body)
+            if blocked is not None and asked and asked <= blocked:
                 if slot.parked_at is None:
                     slot.parked_at = at
                 return
@@ -290,13 +304,13 @@ class Batcher:
         return now >= self._forget_at(key_id, slot)
 
     def finished(self, key_id: KeyId, *, round_at: float | None = None,
-                 blocked: dict[str, bool] | None = None) -> None:
+                 blocked: dict[str, frozenset[str | None]] | None = None) -> None:
         """The key's job ended (committed or failed): it may run the next one.
 
         `round_at` is the time the round itself recorded (taken a little after
         it was started); the next round is spaced from it, so the times clients
         see are never closer than round_period. `blocked`: for each client the
-        round answered, whether it left that client's demand blocked (None: a
+        round answered, the groups it left blocked for it (empty: none; None: a
         reclaim or a failed round, which tell nothing).
         """
         slot = self._slots.get(key_id)
@@ -304,11 +318,15 @@ class Batcher:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
-            for client, left in (blocked or {}).items():
-                if left:
-                    slot.blocked.add(client)
+            if blocked is not None and not any(blocked.values()):
+                # Nobody this round answered is blocked: capacity that came back may be
+                # unallocated now, so no one waits parked for it.
+                slot.blocked.clear()
+            for client, groups in (blocked or {}).items():
+                if groups:
+                    slot.blocked[client] = groups
                 else:
-                    slot.blocked.discard(client)
+                    slot.blocked.pop(client, None)
             self._reschedule(key_id, slot)
 
     def next_wake(self) -> float | None:

@@ -1,9 +1,9 @@
 # The holder's consumer thread: its own kombu connection consuming the shard
 # queues, turning each message into a waiting request for the dispatcher or an
 # error answer. Rules: never crash on input (too large, not JSON, not an
-# object, unknown semaphore: a warning and, when there is a reply_to, an error
-# answer); a lost broker connection is retried with bounded backoff, forever,
-# until the holder stops.
+# object, unknown semaphore, a key no round could serve: a warning and, when
+# there is a reply_to, an error answer); a lost broker connection is retried
+# with bounded backoff, forever, until the holder stops.
 from __future__ import annotations
 
 import logging
@@ -13,6 +13,8 @@ from typing import Any
 
 from kombu.messaging import Consumer
 
+from ..core.messages import check_key
+from ..errors import InvalidMessage
 from .batching import Waiting
 from .dispatcher import Dispatcher
 from .queues import MAX_BODY_BYTES, holder_queue_declaration
@@ -122,6 +124,11 @@ class HolderConsumer(threading.Thread):
         if name not in self._semaphores:
             self._reject(reply_to, correlation_id, "unknown_semaphore",
                          f"this holder does not serve semaphore {name!r}")
+            return
+        try:
+            check_key(key)
+        except InvalidMessage as exc:
+            self._reject(reply_to, correlation_id, exc.code, str(exc))
             return
         request = Waiting(body, reply_to, correlation_id, self._clock())
         self._dispatcher.submit((name, key), request)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InfrastructureError
-from .batching import Batcher, KeyId, Reclaim, Round, Waiting
+from .batching import Batcher, KeyId, Reclaim, Round, Waiting, asked_groups
 from .queues import error_reply
 from .replies import ReplyPublisher
 
@@ -357,17 +357,22 @@ def _round_at(responses: list[dict[str, Any]] | None) -> float | None:
     return None
 
 
-def _blocked(job: Round, responses: list[dict[str, Any]] | None) -> dict[str, bool] | None:
-    """For each client the round answered, whether its demand stayed blocked (or the key
-    is over its limit). None: the round failed and tells nothing."""
+def _blocked(job: Round, responses: list[dict[str, Any]] | None,
+             ) -> dict[str, frozenset[str | None]] | None:
+    """For each client the round answered, the groups whose demand it left blocked (all
+    it asked for while the key is over its limit). None: the round failed."""
     if responses is None:
         return None
-    blocked: dict[str, bool] = {}
+    blocked: dict[str, frozenset[str | None]] = {}
     for request, response in zip(job.requests, responses, strict=True):
         client = request.body.get("client_id")
-        if isinstance(client, str) and "error" not in response:
-            left = bool(response.get("blocked") or response.get("over_limit"))
-            blocked[client] = blocked.get(client, False) or left
+        if not isinstance(client, str) or "error" in response:
+            continue
+        groups = {entry.get("group") for entry in response.get("blocked") or ()
+                  if isinstance(entry, dict)}
+        if response.get("over_limit"):
+            groups |= asked_groups(request.body)
+        blocked[client] = blocked.get(client, frozenset()) | groups
     return blocked
 
 

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .. import compat
+
 logger = logging.getLogger("durability_celery.holder")
 
 RETRY_POLICY = {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5, "interval_max": 2.0}
@@ -32,6 +34,11 @@ class ReplyPublisher:
         """kombu's batch on the current producer, opened by the first reply of a batch."""
         self._batched = 0
         """Replies buffered in the open batch, for the log line if they are dropped."""
+        self._expire_by_hand = False
+        """Redis on a kombu that ignores x-expires: PEXPIRE each reply queue pushed to."""
+        self._pushed: list[str] = []
+        """With expire_by_hand: queues pushed to and not yet expired (until the open batch
+        is sent, or just after a reply sent at once)."""
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -42,7 +49,8 @@ class ReplyPublisher:
         the time (benchmarks.holder_scale). Transports without batches (RabbitMQ)
         publish each reply at once. The buffered replies are sent also when the body
         raises: their rounds are committed, and their clients should hear of them. A
-        batch with no reply in it touches no connection."""
+        batch with no reply in it touches no connection. A kombu without batches
+        (compat.open_publish_batch) publishes each reply at once."""
         self._batching = True
         try:
             yield
@@ -57,14 +65,19 @@ class ReplyPublisher:
             producer = self._ensure_producer()
             self._set_expiry(reply_to)
             if self._batching and self._open is None:
-                self._open = producer.batch()
-                self._open.__enter__()
+                self._open = compat.open_publish_batch(producer)
+                if self._open is not None:
+                    self._open.__enter__()
             producer.publish(
                 body, exchange="", routing_key=reply_to, correlation_id=correlation_id,
                 serializer="json", retry=True, retry_policy=RETRY_POLICY,
             )
+            if self._expire_by_hand:
+                self._pushed.append(reply_to)
             if self._open is not None:
                 self._batched += 1
+            else:
+                self._expire_pushed()
             return True
         except Exception as exc:
             logger.warning("durability holder: reply to %s dropped: %r", reply_to, exc)
@@ -78,8 +91,18 @@ class ReplyPublisher:
             return
         try:
             pending.__exit__(None, None, None)
+            self._expire_pushed()
         except Exception as exc:  # kombu: "delivery is uncertain"; clients ask again
             logger.warning("durability holder: %d replies dropped: %r", count, exc)
+            self.close()
+
+    def _expire_pushed(self) -> None:
+        pushed, self._pushed = self._pushed, []
+        try:
+            for queue in dict.fromkeys(pushed):
+                compat.expire_redis_queue(self._producer.channel, queue, self._reply_expires_ms)
+        except Exception as exc:  # the replies went out; the next publish reconnects
+            logger.warning("durability holder: reply queue expiry not set: %r", exc)
             self.close()
 
     def _ensure_producer(self) -> Any:
@@ -88,6 +111,10 @@ class ReplyPublisher:
             self._connection.ensure_connection(max_retries=3)
             self._producer = self._connection.Producer(serializer="json")
             self._expiring.clear()
+            self._pushed.clear()
+            self._expire_by_hand = (
+                self._connection.transport.driver_type == "redis"
+                and not compat.redis_applies_queue_expiry(self._producer.channel))
         return self._producer
 
     def _set_expiry(self, reply_to: str) -> None:
@@ -96,7 +123,9 @@ class ReplyPublisher:
         # x-expires on this channel makes kombu PEXPIRE the key on every push.
         # Other transports expire reply queues themselves (RabbitMQ), and
         # redeclaring another connection's exclusive queue there would fail.
-        if self._connection.transport.driver_type != "redis" or reply_to in self._expiring:
+        # Where kombu ignores x-expires, publish() sets it (compat.expire_redis_queue).
+        if (self._connection.transport.driver_type != "redis" or self._expire_by_hand
+                or reply_to in self._expiring):
             return
         self._producer.channel.queue_declare(
             queue=reply_to, arguments={"x-expires": self._reply_expires_ms}
@@ -114,6 +143,7 @@ class ReplyPublisher:
                 pending.__exit__(ConnectionError, ConnectionError("closed"), None)  # discards
             except Exception as exc:
                 logger.debug("durability holder: discarding a reply batch: %r", exc)
+        self._pushed.clear()
         connection, self._connection, self._producer = self._connection, None, None
         if connection is not None:
             try:

@@ -4,6 +4,7 @@ from .engine import create_engine, prepare_engine, run_transaction, transaction
 from .queries import all_keys, deadlines, prune_keys, silent_clients
 from .schema import (
     SCHEMA_VERSION,
+    MigrateOutcome,
     check_version,
     clients,
     grants,
@@ -18,6 +19,7 @@ from .writes import save, save_many
 __all__ = [
     # schema
     "SCHEMA_VERSION",
+    "MigrateOutcome",
     "check_version",
     "clients",
     "grants",

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
-from ..errors import ConfigurationError, InfrastructureError
+from ..errors import ConfigurationError, InfrastructureError, SchemaMissing
 
 logger = logging.getLogger("durability_celery.store")
 
@@ -31,18 +31,22 @@ DEFAULT_BUSY_TIMEOUT = 30.0
 _prepared: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Engine:
-    """An engine for `url`; `postgresql://` is served by psycopg 3, SQLite runs in WAL mode."""
+def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+                  setting: str = "database") -> Engine:
+    """An engine for `url`; `postgresql://` is served by psycopg 3, SQLite runs in WAL mode.
+
+    `setting` is what errors name: where the user typed the URL (an argument, a flag,
+    an environment variable)."""
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise ConfigurationError(f"database: not a database URL: {url!r}") from exc
+        raise ConfigurationError(f"{setting}: not a database URL: {url!r}") from exc
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     backend = parsed.get_backend_name()
     if backend not in SUPPORTED_DIALECTS:
         raise ConfigurationError(
-            f"database: {backend!r} is not supported (use sqlite or postgresql)"
+            f"{setting}: {backend!r} is not supported (use sqlite or postgresql)"
         )
     try:
         if backend == "sqlite":
@@ -50,7 +54,8 @@ def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> En
         else:
             engine = sa.create_engine(parsed)
     except (ArgumentError, ImportError) as exc:
-        raise ConfigurationError(f"database: cannot create an engine for {url!r}: {exc}") from exc
+        raise ConfigurationError(
+            f"{setting}: cannot create an engine for {url!r}: {exc}") from exc
     return prepare_engine(engine, busy_timeout=busy_timeout)
 
 
@@ -130,7 +135,19 @@ def _configure(conn: Connection, write: bool) -> None:
 
 def _infrastructure_error(exc: SQLAlchemyError) -> InfrastructureError:
     detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+    if _missing_table(exc):
+        return SchemaMissing(f"the database has no durability schema ({detail}): run "
+                             "`durability-celery migrate`")
     return InfrastructureError(f"database error ({type(exc).__name__}): {detail}")
+
+
+def _missing_table(exc: SQLAlchemyError) -> bool:
+    """Whether a statement failed for want of a table: the store queries only its own
+    tables, so the schema was never created (or was dropped), which no retry mends."""
+    orig = getattr(exc, "orig", None)
+    if getattr(orig, "sqlstate", None) == "42P01":  # PostgreSQL: undefined_table
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and str(orig).startswith("no such table")
 
 
 @contextmanager

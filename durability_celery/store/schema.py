@@ -4,6 +4,8 @@
 # include it in their own migrations.
 from __future__ import annotations
 
+from typing import Literal
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -28,6 +30,10 @@ from ..errors import ConfigurationError
 
 SCHEMA_VERSION = 2
 """The version `migrate(engine)` brings a database to."""
+
+MigrateOutcome = Literal["created", "upgraded", "current", "removed", "absent"]
+"""What `migrate` did: created the schema, upgraded it, found it current (nothing
+changed), removed it, or found none to remove."""
 
 NAME_LENGTH = 200
 """Longest semaphore name, key, client id, group or grant/lease id (as on the wire)."""
@@ -131,7 +137,7 @@ def _current_version(conn: Connection) -> int | None:
     return conn.execute(select(schema_version.c.version).where(schema_version.c.id == 1)).scalar()
 
 
-def _upgrade(conn: Connection, found: int | None) -> None:
+def _upgrade(conn: Connection, found: int | None) -> MigrateOutcome:
     if found is not None and found > SCHEMA_VERSION:
         raise ConfigurationError(
             f"database schema version {found} is newer than this library's {SCHEMA_VERSION}; "
@@ -144,8 +150,17 @@ def _upgrade(conn: Connection, found: int | None) -> None:
         version += 1
     if found is None:
         conn.execute(insert(schema_version).values(id=1, version=SCHEMA_VERSION))
-    elif found != SCHEMA_VERSION:
+        return "created"
+    if found != SCHEMA_VERSION:
         conn.execute(update(schema_version).where(schema_version.c.id == 1).values(version=version))
+        return "upgraded"
+    return "current"
+
+
+def _drop(conn: Connection) -> MigrateOutcome:
+    present = any(conn.dialect.has_table(conn, table.name) for table in metadata.sorted_tables)
+    metadata.drop_all(conn, checkfirst=True)
+    return "removed" if present else "absent"
 
 
 def check_version(engine: Engine) -> int | None:
@@ -161,8 +176,9 @@ def check_version(engine: Engine) -> int | None:
     return found
 
 
-def migrate(engine: Engine, target: int | None = SCHEMA_VERSION) -> None:
-    """Create or upgrade the schema (idempotent); `target=None` removes it entirely."""
+def migrate(engine: Engine, target: int | None = SCHEMA_VERSION) -> MigrateOutcome:
+    """Create or upgrade the schema (idempotent); `target=None` removes it entirely.
+    Returns what it did (see MigrateOutcome), so a caller can say so."""
     if target is not None and target != SCHEMA_VERSION:
         raise ConfigurationError(
             f"migrate target must be {SCHEMA_VERSION} (create or upgrade) or None (remove), "
@@ -174,6 +190,5 @@ def migrate(engine: Engine, target: int | None = SCHEMA_VERSION) -> None:
         with conn.begin():
             _lock_for_ddl(conn)
             if target is None:
-                metadata.drop_all(conn, checkfirst=True)
-            else:
-                _upgrade(conn, _current_version(conn))
+                return _drop(conn)
+            return _upgrade(conn, _current_version(conn))

@@ -117,6 +117,15 @@ def _revoked(request: Any) -> bool:
                 and request.revoked())
 
 
+WATCH_INTERVAL = 1.0
+"""Seconds between two looks for keys whose holder does not answer."""
+
+
+def _acknowledged(request: Any) -> bool:
+    message = getattr(request, "message", None)
+    return message is None or bool(message.acknowledged)
+
+
 def item_id(request: Any, headers: Mapping[str, Any] | None = None) -> str:
     """The client-queue item of one delivery: the task id plus its retry count.
 
@@ -162,6 +171,9 @@ class Gate:
         self._turn = 0
         for client in self.clients.values():
             client.free_slots = self._free
+        self._unanswered: set[tuple[str, str]] = set()
+        """(semaphore, key) whose holder has not answered while tasks waited (logged once)."""
+        self._next_watch = 0.0
         # Correlation ids: unique per gate without a urandom call per message.
         self._correlation = itertools.count()
         self._correlation_prefix = uuid.uuid4().hex[:12]
@@ -325,10 +337,31 @@ class Gate:
             self._admit()
             self._raise_for_idle_pool()
             self._return_unused()
-            if self.state.held and self._free() > 0:
+            if self.state.held:  # slots came free, or soon-free ones changed hands
                 for client in self.clients.values():
                     client.room_changed()
+            if now >= self._next_watch:
+                self._next_watch = now + WATCH_INTERVAL
+                self._watch_holder()
             return self._collect_due(now)
+
+    def _watch_holder(self) -> None:
+        """Say once when a key's requests go unanswered while its tasks wait (no holder
+        running, a holder that cannot reach its database), and forget hand-backs the
+        broker has taken since."""
+        self.state.let_go = [(request, at) for request, at in self.state.let_go
+                             if not _acknowledged(request)]
+        for name, client in self.clients.items():
+            if not client.has_queued:
+                continue
+            for key, groups in client.held().items():
+                error = client.last_error(key)
+                if error is not None and (name, key) not in self._unanswered:
+                    self._unanswered.add((name, key))
+                    logger.warning(
+                        "durability: no answer from the holder of %s/%s (%s) while %d "
+                        "task(s) wait; is a holder running for it (celery -A proj worker "
+                        "--durability-holder)?", name, key, error, sum(groups.values()))
 
     def _return_unused(self) -> bool:
         """Grant permits an admission left unclaimed go back at once (return_unused)."""
@@ -552,6 +585,9 @@ class Gate:
                 client.on_response(key, body, superseded=superseded)
             else:
                 client.on_failure(key, superseded=superseded)
+            if match in self._unanswered and client.last_error(key) is None:
+                self._unanswered.discard(match)
+                logger.info("durability: the holder of %s/%s answers again", semaphore, key)
             self._waited_on = any(c.waited_on_any() for c in self.clients.values())
         self.hooks.wake(True)
         return True

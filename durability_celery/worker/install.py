@@ -11,13 +11,14 @@ import weakref
 from typing import Any
 
 from celery import signals
+from kombu.exceptions import OperationalError
 from kombu.messaging import Consumer, Producer
 
 from ..app import Durability
 from ..errors import DurabilityError
 from . import visibility  # noqa: F401  (registers the durability_held inspect command)
 from .step import GateStep
-from .task import HEADER_SEMAPHORE, AdmittedTask
+from .task import HEADER_SEMAPHORE, AdmittedTask, check_at_decoration
 
 logger = logging.getLogger("durability_celery.worker")
 
@@ -34,6 +35,7 @@ def install(durability: Durability) -> None:
     step = type("GateStep", (GateStep,), {"durability": durability, "__module__": __name__})
     app.steps["consumer"].add(step)
     _apps.add(app)
+    check_at_decoration(app)
     signals.before_task_publish.connect(_stamp_headers, weak=False,
                                         dispatch_uid="durability_celery.stamp_headers")
     signals.worker_shutdown.connect(_final_reports, weak=False,
@@ -89,30 +91,26 @@ def _final_reports(**_: Any) -> None:
 
 
 def final_report(step: GateStep, *, limit: float) -> bool:
-    """Report until the holder settled every grant and lease, or `limit` seconds passed."""
+    """Report until the holder settled every grant and lease, or `limit` seconds passed.
+
+    A broker that cannot be reached is one warning line, not a traceback: a worker
+    stopped while its broker is down is expected to leave its permits to the holder."""
     gate = step.gate
     gate.stop()
-    deadline = time.monotonic() + limit
-    with step.c.app.connection_for_write() as connection:
-        channel = connection.channel()
-        producer: Any = Producer(channel, serializer="json")  # type: ignore[no-untyped-call]
-
-        def on_reply(body: Any, message: Any) -> None:
-            gate.on_reply(message.properties.get("correlation_id"), body)
-
-        reply_consumer = Consumer(  # type: ignore[no-untyped-call]
-            channel, queues=[step.reply_queue], callbacks=[on_reply], no_ack=True,
-            accept=["json"])
-        with reply_consumer:
-            while not gate.settled() and time.monotonic() < deadline:
-                for message in gate.pump():
-                    producer.publish(
-                        message.body, exchange="",
-                        routing_key=step.durability.queue_for(message.semaphore, message.key),
-                        reply_to=step.reply_queue.name,
-                        correlation_id=message.correlation_id, serializer="json")
-                with contextlib.suppress(TimeoutError):
-                    connection.drain_events(timeout=0.1)
+    connection = step.c.app.connection_for_write()
+    unreachable = (OSError, OperationalError, *connection.connection_errors,
+                   *connection.channel_errors)
+    try:
+        _report_until_settled(step, connection, time.monotonic() + limit)
+    except unreachable as exc:
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        logger.warning(
+            "durability: client %s could not send its final report (broker unreachable: "
+            "%s); the holder reclaims its unclaimed grant permits after grant_timeout, "
+            "and claimed ones stay counted until reconciliation", step.client_id, detail)
+        return False
+    finally:
+        connection.release()
     settled = gate.settled()
     if settled:
         logger.info("durability: client %s settled its reports", step.client_id)
@@ -120,3 +118,26 @@ def final_report(step: GateStep, *, limit: float) -> bool:
         logger.warning("durability: client %s exits with unsettled reports; the holder "
                        "retires its leases after their ttl", step.client_id)
     return settled
+
+
+def _report_until_settled(step: GateStep, connection: Any, deadline: float) -> None:
+    gate = step.gate
+    channel = connection.channel()
+    producer: Any = Producer(channel, serializer="json")  # type: ignore[no-untyped-call]
+
+    def on_reply(body: Any, message: Any) -> None:
+        gate.on_reply(message.properties.get("correlation_id"), body)
+
+    reply_consumer = Consumer(  # type: ignore[no-untyped-call]
+        channel, queues=[step.reply_queue], callbacks=[on_reply], no_ack=True,
+        accept=["json"])
+    with reply_consumer:
+        while not gate.settled() and time.monotonic() < deadline:
+            for message in gate.pump():
+                producer.publish(
+                    message.body, exchange="",
+                    routing_key=step.durability.queue_for(message.semaphore, message.key),
+                    reply_to=step.reply_queue.name,
+                    correlation_id=message.correlation_id, serializer="json")
+            with contextlib.suppress(TimeoutError):
+                connection.drain_events(timeout=0.1)

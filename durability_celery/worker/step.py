@@ -100,6 +100,20 @@ def unadmitted_active(active: Any = worker_state.active_requests) -> int:
     return count
 
 
+def warn_about_prefetch(conf: Any) -> None:
+    """Say at start-up when the worker's prefetch settings work against the gate: it holds
+    messages outside the pool and raises prefetch one by one for them, so the base must
+    be one message per slot, and a disabled prefetch counts held messages as running."""
+    multiplier = conf.get("worker_prefetch_multiplier")
+    if multiplier != 1:
+        logger.warning("durability: worker_prefetch_multiplier is %r; admitted tasks need 1 "
+                       "(set app.conf.worker_prefetch_multiplier = 1), or this worker "
+                       "reserves messages other workers could run", multiplier)
+    if conf.get("worker_disable_prefetch"):
+        logger.warning("durability: worker_disable_prefetch is set; it counts held admitted "
+                       "tasks as running, so this worker stops fetching: unset it")
+
+
 class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
     """Holds admitted-type task messages in the worker's main process until permitted."""
 
@@ -255,6 +269,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                         c.timer.call_repeatedly(SUMMARY_INTERVAL, log_summary, (self.gate,))]
         logger.info("durability: gate started as client %s (hold deadline %.0fs, max held %d)",
                     self.client_id, self.gate.hold_deadline, self.gate.max_held)
+        warn_about_prefetch(c.app.conf)
 
     def stop(self, c: Any) -> None:
         self._close_gate()

@@ -14,10 +14,9 @@ from celery import Task
 from kombu.utils.imports import symbol_by_name
 
 from ..app import durability_for
+from ..core.messages import MAX_KEY_LENGTH
 from ..errors import CallerError, ConfigurationError
 from .request import AdmittedRequest
-
-MAX_KEY_LENGTH = 200
 
 HEADER_SEMAPHORE = "durability_semaphore"
 HEADER_KEY = "durability_key"
@@ -116,7 +115,10 @@ def build_admission(task_cls: type[AdmittedTask], app: Any) -> Admission:
     name = getattr(task_cls, "name", None) or task_cls.__name__
     if not isinstance(task_cls.semaphore, str):
         raise ConfigurationError(f"task {name}: AdmittedTask needs semaphore='<name>'")
-    durability_for(app).semaphore(task_cls.semaphore)
+    try:
+        durability_for(app).semaphore(task_cls.semaphore)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"task {name}: {exc}") from None
     if task_cls.rate_limit:
         raise ConfigurationError(
             f"task {name}: rate_limit cannot be combined with AdmittedTask (the rate "
@@ -146,6 +148,48 @@ def build_admission(task_cls: type[AdmittedTask], app: Any) -> Admission:
             )
     return Admission(task_cls.semaphore, task_cls.key, task_cls.group,  # type: ignore[arg-type]
                      positions, defaults)
+
+
+def check_at_decoration(app: Any) -> None:
+    """Make `@app.task(base=AdmittedTask, ...)` check its options when it decorates.
+
+    Celery builds the task class of a lazy app only when the app finalizes (worker
+    start, first use), so a typo in `semaphore=` or `key=` passed import and surfaced
+    deep in Celery's finalize. Wrapping this app's decorator checks them at once,
+    without building the task: the app's configuration is not read before its time.
+    Tasks decorated before Durability(app, ...) exists, or with @shared_task, are
+    still checked when their class is built."""
+    decorate = app.task
+
+    def task(*args: Any, **opts: Any) -> Any:
+        if len(args) == 1 and callable(args[0]):
+            _check_options(app, args[0], opts)
+            return decorate(*args, **opts)
+        made = decorate(*args, **opts)
+
+        def checked(fun: Any) -> Any:
+            _check_options(app, fun, opts)
+            return made(fun)
+
+        return checked
+
+    app.task = task
+
+
+def _check_options(app: Any, fun: Any, opts: dict[str, Any]) -> None:
+    base = opts.get("base")
+    if not (isinstance(base, type) and issubclass(base, AdmittedTask)):
+        return
+    name = opts.get("name") or app.gen_task_name(fun.__name__, fun.__module__)
+    namespace: dict[str, Any] = {
+        k: opts[k] for k in ("semaphore", "key", "group", "rate_limit", "Request") if k in opts}
+    run = fun if opts.get("bind") else staticmethod(fun)
+    namespace.update(name=name, run=run, __wrapped__=run, __module__=fun.__module__)
+    # A stand-in class with the task's options and function: built without `app`,
+    # so nothing is registered or bound; build_admission checks it as it will the task.
+    draft: type[AdmittedTask] = type(fun.__name__, (base,), namespace)
+    if draft.semaphore is not None:
+        build_admission(draft, app)
 
 
 class AdmittedTask(Task):  # type: ignore[misc]

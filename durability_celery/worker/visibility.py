@@ -67,6 +67,13 @@ def _seconds(at: float, now: float) -> float | None:
     return None if math.isinf(at) else round(at - now, 3)
 
 
+def _next_request_in(ledger: KeyLedger, now: float) -> float | None:
+    """When the next report is due; None before the first reply, whose next_request_at
+    is still the ledger's 0.0 (shown as minus the epoch otherwise)."""
+    at = ledger.next_request_at
+    return None if at <= 0 else _seconds(at, now)
+
+
 def _key_permits(client: SemaphoreClient, key: str, ledger: KeyLedger,
                  now: float) -> dict[str, Any]:
     """One key's grants and leases as this worker holds them: the counts it has (claimed,
@@ -87,7 +94,7 @@ def _key_permits(client: SemaphoreClient, key: str, ledger: KeyLedger,
             "kept_idle": [{"group": group, "permits": count}
                           for group, count in client.kept_idle(key).items()],
             "contended": ledger.contended, "over_limit": ledger.over_limit,
-            "next_request_in": _seconds(ledger.next_request_at, now),
+            "next_request_in": _next_request_in(ledger, now),
             "waiting_for_reply": None if in_flight is None else round(now - in_flight.sent_at, 3),
             "error": ledger.last_error}
 

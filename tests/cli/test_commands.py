@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +71,17 @@ def tables(url: str) -> set[str]:
 def test_migrate_and_drop(cli: Any, database_url: str) -> None:
     done = cli("migrate", "--database", database_url)
     assert done.returncode == 0, done.stderr
-    assert "schema up to date" in done.stdout
+    assert done.stdout.startswith("schema version 2 created in "), done.stdout
+    assert "up to date" not in done.stdout
     assert {"durability_semaphore_grants", "durability_semaphore_leases"} <= tables(database_url)
-    assert cli("migrate", "--database", database_url).returncode == 0  # idempotent
+    done = cli("migrate", "--database", database_url)  # idempotent, and says so
+    assert done.returncode == 0, done.stderr
+    assert "schema up to date in " in done.stdout and "nothing changed" in done.stdout
     done = cli("migrate", "--drop", "--database", database_url)
-    assert done.returncode == 0 and "removed" in done.stdout
+    assert done.returncode == 0 and done.stdout.startswith("schema removed from ")
     assert not any(t.startswith("durability_") for t in tables(database_url))
+    done = cli("migrate", "--drop", "--database", database_url)
+    assert done.returncode == 0 and "nothing removed" in done.stdout
 
 
 def test_migrate_embedded_default_creates_its_folder(cli: Any, tmp_path: Path) -> None:
@@ -175,7 +181,23 @@ def test_database_without_schema(cli: Any, database_url: str, tmp_path: Path) ->
 def test_bad_configuration_is_one_line(cli: Any) -> None:
     one_line_error(cli("usage", "a", "k", env={"DURABILITY_SEMAPHORES": "a=x"}),
                    "DURABILITY_SEMAPHORES")
-    one_line_error(cli("migrate", "--database", "nonsense"), "DURABILITY_DATABASE_URL")
+    one_line_error(cli("usage", "a", "k", "--app", "no_such_module_xyz"), "cannot import")
+
+
+def test_a_bad_database_url_names_where_it_was_typed(cli: Any) -> None:
+    # The flag the user typed, not the environment variable it stands in for.
+    for argv in (("migrate",), ("usage", "a", "k"), ("prune", "--idle-for", "9")):
+        done = cli(*argv, "--database", "nonsense", env={"DURABILITY_SEMAPHORES": "a=1"})
+        one_line_error(done, "--database: not a database URL: 'nonsense'")
+        assert "DURABILITY_DATABASE_URL" not in done.stderr
+        one_line_error(cli(*argv, "--database", "mysql://u@h/db",
+                           env={"DURABILITY_SEMAPHORES": "a=1"}),
+                       "--database: 'mysql' is not supported")
+    # Typed in the environment: the variable is what it names.
+    one_line_error(cli("migrate", env={"DURABILITY_DATABASE_URL": "mysql://u@h/db"}),
+                   "DURABILITY_DATABASE_URL: 'mysql' is not supported")
+    one_line_error(cli("migrate", env={"DURABILITY_DATABASE_URL": "nonsense"}),
+                   "DURABILITY_DATABASE_URL: not a database URL")
     one_line_error(cli("usage", "a", "k", "--app", "no_such_module_xyz"), "cannot import")
 
 
@@ -213,5 +235,11 @@ def test_help_and_entry_point(cli: Any) -> None:
     assert done.returncode == 0
     for command in ("demo", "usage", "migrate", "holder"):
         assert command in done.stdout
+    usage_help = subprocess_cli("usage", "--help").stdout
+    assert "a configured semaphore's name" in usage_help
+    assert "the key whose usage to show" in usage_help
+    version = subprocess_cli("--version")
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == f"durability-celery {metadata.version('durability-celery')}"
     script = Path(sys.executable).parent / "durability-celery"
     assert script.exists(), "pip install -e . installs the durability-celery script"

@@ -106,3 +106,37 @@ def test_held_and_refused_hand_backs_are_returned_when_the_consumer_stops() -> N
     forgotten = gate.forget_held()
     assert forgotten == [(r, held_at) for r in still_held] + [(handed_back[1], refused_at)]
     assert gate.state.held == {} and gate.forget_held() == [], "each is returned once"
+
+
+def test_a_hand_back_the_broker_took_later_is_forgotten() -> None:
+    # Celery may ack a reject on the loop's next turn: the message is not acknowledged
+    # when the gate hands it back, but is by the next look, and is not given back again.
+    gate, _, clock = gate_without_permits(busy=POOL)
+    (late,) = hold(gate, 1)
+    late.message = SimpleNamespace(acknowledged=False)
+    clock.advance(601)
+    gate.pump()
+    assert [r for r, _ in gate.state.let_go] == [late]
+    late.message.acknowledged = True
+    clock.advance(2)
+    gate.pump()
+    assert gate.state.let_go == [] and gate.forget_held() == []
+
+
+def test_an_unanswered_holder_is_said_once_and_its_return_too(
+        caplog: pytest.LogCaptureFixture) -> None:
+    gate, _, clock = gate_without_permits(busy=0)
+    hold(gate, 1)
+    (message,) = gate.pump()
+    caplog.set_level("INFO", logger="durability_celery.worker")
+    gate.failed(message)  # e.g. the broker refused it; a timeout reads the same
+    clock.advance(2)
+    (message,) = gate.pump()
+    clock.advance(2)
+    gate.pump()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "no answer from the holder of" in warnings[0].getMessage()
+    assert "acct-0" in warnings[0].getMessage()
+    assert gate.on_reply(message.correlation_id, reply(clock.now, key="acct-0", grants=[
+        grant("g", permits=1, claim_deadline=clock.now + 10)]))
+    assert any("answers again" in r.getMessage() for r in caplog.records)

@@ -128,15 +128,17 @@ def test_an_event_loop_release_whose_successor_was_the_last_held_wakes_nothing()
     assert loop.take_wakes() == []  # a free slot, but nothing held for a pump to start
 
 
-def test_a_freed_slot_wakes_the_pump_for_a_request_of_another_key() -> None:
+def test_a_slot_that_frees_soon_is_asked_for_by_another_keys_request() -> None:
+    # The pool is full, but its one task has nothing of its key queued: its slot goes to
+    # acct-2 when it ends, so acct-2 asks now and its permit is at hand by then.
     gate, loop, first = leased_gate(pool=1)
     other = FakeRequest(key="acct-2")
-    gate.submit(other)  # the pool is full: nothing to ask for acct-2 yet
-    assert loop.take_wakes() == []
-    first.on_success(None)  # nothing of KEY is held, but the slot is free now
-    assert loop.take_wakes() == [False]
-    (message,) = gate.pump()  # the timer's pump asks for acct-2 now
+    gate.submit(other)
+    assert loop.take_wakes() == [True]
+    (message,) = gate.pump()
     assert message.key == "acct-2"
+    first.on_success(None)  # from a pool thread: the slot is free now
+    assert loop.take_wakes() == [False]
 
 
 def test_a_contended_key_sends_its_news_at_once() -> None:

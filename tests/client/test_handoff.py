@@ -546,6 +546,8 @@ def test_grant_permits_an_admission_left_unclaimed_go_back_at_once() -> None:
     # while its item stays queued for a later slot.
     clock = FakeClock()
     client = make_client(clock, handoff_window=60.0)
+    client.capacity = 1
+    client.free_slots = lambda: 0  # "a" takes the pool's one slot below
     client.enqueue(KEY, None, "a", enqueued_at=1.0)
     client.enqueue(KEY, None, "b", enqueued_at=2.0)
     client.message(KEY)
@@ -576,18 +578,19 @@ def test_demand_is_bounded_by_the_pools_free_slots_across_keys() -> None:
     assert demand(client.message(KEY)) == {None: (1, 1.0)}
 
 
-@pytest.mark.parametrize(("contended", "passed_on"), [(False, False), (True, True)])
-def test_an_older_item_of_another_key_takes_the_slot_unless_its_key_is_contended(
-        contended: bool, passed_on: bool) -> None:
+@pytest.mark.parametrize(("blocked", "passed_on"), [(False, False), (True, True)])
+def test_an_older_item_of_another_key_takes_the_slot_unless_it_is_blocked(
+        blocked: bool, passed_on: bool) -> None:
     # The pool is shared by every key: passing the permit within its key would keep the
-    # keys already running in the slots while older work of another key waits. A free
-    # key gets its permit in a round trip; a contended one may have none to give, and
-    # the slot would idle, so then the permit passes on.
+    # keys already running in the slots while older work of another key waits. A key
+    # whose last reply did not block that work gets its permit in a round trip; blocked,
+    # it may have none to give, and the slot would idle, so then the permit passes on.
     clock = FakeClock()
     client = granted(clock, items=((None, "young", 9.0),))
     client.enqueue("acct-2", None, "older", enqueued_at=2.0)
     client.message("acct-2")
-    client.on_response("acct-2", reply(clock.now, key="acct-2", contended=contended))
+    client.on_response("acct-2", reply(clock.now, key="acct-2", contended=True, blocked=[
+        {"group": None, "reason": "limit", "queued": 1}] if blocked else []))
     passed = client.pass_on("run-0")
     assert (passed is not None) is passed_on
     if not passed_on:

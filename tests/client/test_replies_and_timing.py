@@ -43,13 +43,21 @@ def _client_with_lease(clock: FakeClock, *, permits: int = 4, ttl: float = 100.0
     return client
 
 
-def test_next_request_at_is_honoured_for_demand() -> None:
-    clock = FakeClock()
-    client = make_client(clock)
+def claimed_after(client: SemaphoreClient, clock: FakeClock, round_at: float,
+                  next_request_at: float) -> None:
+    """One item runs on a claim of the grant a reply brought: the claim is the report
+    that waits for next_request_at (the key has work here and nobody else waits)."""
     client.enqueue(KEY, None, "t1", enqueued_at=1.0)
     client.message(KEY)
-    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 5, blocked=[
-        {"group": None, "reason": "limit", "queued": 1}]))
+    client.on_response(KEY, reply(round_at, next_request_at=next_request_at, grants=[
+        grant("g1", permits=1, claim_deadline=round_at + 20)]))
+    assert [p.item_id for p in client.admit()] == ["t1"]
+
+
+def test_next_request_at_is_honoured_for_reports() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    claimed_after(client, clock, clock.now, clock.now + 5)
     assert client.due() == []
     assert client.next_due_at() == clock.now + 5
     clock.advance(4.9)
@@ -58,15 +66,24 @@ def test_next_request_at_is_honoured_for_demand() -> None:
     assert client.due() == [KEY]
 
 
+def test_demand_asks_at_once_even_when_blocked() -> None:
+    # The holder holds a blocked client's request until capacity comes back or the
+    # key's next period: asking at once is how it is there when a permit returns.
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 5, blocked=[
+        {"group": None, "reason": "limit", "queued": 1}]))
+    assert client.due() == [KEY]
+
+
 def test_ask_early_asks_that_long_before_next_request_at() -> None:
     """The holder holds an early request until the round its replies told of, and gathers
     the told ones only GATHER past it: aiming early leaves the way there that much."""
     clock = FakeClock()
     client = make_client(clock, ask_early=0.1)
-    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 2, blocked=[
-        {"group": None, "reason": "limit", "queued": 1}]))
+    claimed_after(client, clock, clock.now, clock.now + 2)
     assert client.next_due_at() == pytest.approx(clock.now + 1.9)
     clock.advance(1.89)
     assert client.due() == []
@@ -77,9 +94,7 @@ def test_ask_early_asks_that_long_before_next_request_at() -> None:
 def test_ask_early_never_asks_before_the_reply_came() -> None:
     clock = FakeClock()
     client = make_client(clock, ask_early=5.0)  # more than the period: at once, no sooner
-    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
-    client.message(KEY)
-    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 2))
+    claimed_after(client, clock, clock.now, clock.now + 2)
     at = client.next_due_at()
     assert at is not None and at <= clock.now
 
@@ -93,11 +108,8 @@ def test_a_negative_ask_early_is_refused(bad: float) -> None:
 def test_next_request_at_is_relative_to_the_round_so_clock_skew_cannot_stall() -> None:
     clock = FakeClock()
     client = make_client(clock)
-    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
-    client.message(KEY)
     skew = 3600.0  # the holder's clock runs an hour ahead
-    client.on_response(KEY, reply(clock.now + skew, next_request_at=clock.now + skew + 2,
-                                  blocked=[{"group": None, "reason": "limit", "queued": 1}]))
+    claimed_after(client, clock, clock.now + skew, clock.now + skew + 2)
     assert client.next_due_at() == clock.now + 2
 
 
@@ -203,27 +215,30 @@ def test_an_idle_lease_gets_no_heartbeat_and_is_stopped_when_it_expires() -> Non
     assert demand(message) == {None: (1, 3.0)}
 
 
-def test_unreported_releases_wait_for_next_request_at_unless_others_wait_or_all_is_done(
+def test_claims_wait_for_next_request_at_unless_others_wait_and_releases_go_at_once(
         ) -> None:
     for flags, prompt in [({}, False), ({"contended": True}, True),
                           ({"blocked": [{"group": "x", "reason": "limit", "queued": 3}]}, True)]:
         clock = FakeClock()
         client = make_client(clock)
         client.enqueue(KEY, "wf", "t1", enqueued_at=1.0)
-        client.enqueue(KEY, "wf", "t2", enqueued_at=1.0)
         client.message(KEY)
         client.on_response(KEY, reply(clock.now, grants=[
-            grant("g1", group="wf", permits=2, claim_deadline=clock.now + 10)]))
-        client.admit()
+            grant("g1", group="wf", permits=2, claim_deadline=clock.now + 10)],
+            **flags))  # type: ignore[arg-type]
+        client.enqueue(KEY, "wf", "t2", enqueued_at=1.0)
+        assert len(client.admit()) == 2
+        clock.advance(0.5)
+        assert client.due() == ([KEY] if prompt else []), flags  # two claims
+        if not prompt:
+            clock.advance(1.5)  # next_request_at
+            assert client.due() == [KEY]
         client.message(KEY)
         client.on_response(KEY, reply(clock.now, grants=[
             grant("g1", group="wf", permits=2, claimed=2, claim_deadline=clock.now + 10)],
             **flags))  # type: ignore[arg-type]
-        clock.advance(0.5)
-        client.release("t1")  # t2 still runs
-        assert client.due() == ([KEY] if prompt else []), flags
-        client.release("t2")  # nothing left here: the key's capacity is all free again
-        assert client.due() == [KEY]
+        client.release("t1")  # t2 still runs: capacity back, which only the holder gives on
+        assert client.due() == [KEY], flags
 
 
 def test_waited_on_any_follows_each_keys_last_reply_and_stop() -> None:

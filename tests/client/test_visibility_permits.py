@@ -31,6 +31,7 @@ def test_the_view_shows_counts_reports_idle_permits_and_the_next_message() -> No
     clock.advance(0.25)
     waiting = describe_permits(gate)["keys"][0]
     assert waiting["waiting_for_reply"] == 0.25 and waiting["grants"] == []
+    assert waiting["next_request_in"] is None  # no reply yet: no next_request_at either
 
     assert gate.on_reply(asked.correlation_id, reply(
         clock.now, grants=[grant("g1", permits=1, claim_deadline=clock.now + 10)],

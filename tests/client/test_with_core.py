@@ -124,6 +124,7 @@ class World:
         for index, client in enumerate(self.clients):
             for permit in client.admit(limit=self.rng.choice([None, 1, 3])):
                 self._run(index, permit, now, duration)
+            client.return_unused()  # as the gate does after every admission
         self.check_limits()
 
     def _run(self, index: int, permit: Permit, now: float,

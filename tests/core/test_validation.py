@@ -113,3 +113,15 @@ def test_another_clients_ids_are_rejected_and_change_nothing(make_semaphore: Any
 def test_bad_settings_fail_at_construction_naming_the_setting(build: Any, setting: str) -> None:
     with pytest.raises(ConfigurationError, match=setting):
         build()
+
+
+@pytest.mark.parametrize("key", ["", "k" * 201, 7, None])
+def test_a_key_no_round_could_serve_is_refused_before_the_round(key: Any) -> None:
+    from durability_celery.core.messages import MAX_KEY_LENGTH, check_key
+    from durability_celery.errors import InvalidMessage
+
+    with pytest.raises(InvalidMessage, match=f"^key: must be a non-empty string of at most "
+                                             f"{MAX_KEY_LENGTH} chars, got ") as raised:
+        check_key(key)
+    assert raised.value.code == "invalid_message"
+    assert check_key("k" * MAX_KEY_LENGTH) == "k" * MAX_KEY_LENGTH

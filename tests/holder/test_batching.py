@@ -27,13 +27,14 @@ def batcher() -> Batcher:
 
 
 def req(at: float, n: int = 0, *, released: int | None = None) -> Waiting:
-    body: dict[str, object] = {"n": n, "client_id": f"client-{n}"}
+    body: dict[str, object] = {"n": n, "client_id": f"client-{n}",
+                               "demand": [{"group": None, "count": 1}]}
     if released is not None:
         body.update(grants=[{"grant_id": "g", "claimed": released, "released": released}])
     return Waiting(body, "reply", f"c{n}", at)
 
 
-BLOCKED = {f"client-{n}": True for n in range(10)}
+BLOCKED = {f"client-{n}": frozenset({None}) for n in range(10)}
 """A round that left every test client blocked: their next requests are parked."""
 
 
@@ -54,7 +55,7 @@ def test_a_free_key_runs_a_request_within_a_moment() -> None:
     assert b.round_at(K) == 10.0 + FREE_GATHER
     (job,) = b.take_due(10.0 + FREE_GATHER)
     assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [1, 2]
-    b.finished(K, blocked={"client-1": False, "client-2": False})
+    b.finished(K, blocked={"client-1": frozenset(), "client-2": frozenset()})
     b.add(K, req(10.005, 3))  # more demand just after: no period to wait, but spaced
     assert b.round_at(K) == pytest.approx(10.0 + FREE_GATHER + PROMPT)
 
@@ -307,7 +308,8 @@ def test_take_due_returns_exactly_the_due_jobs_and_wakes_are_never_late(
             b.set_alarm(key, now + x)
         elif op in ("finish", "contend") and key in busy:
             busy.discard(key)
-            b.finished(key, blocked={f"client-{m}": op == "contend" for m in range(5)})
+            groups = frozenset({None}) if op == "contend" else frozenset()
+            b.finished(key, blocked={f"client-{m}": groups for m in range(5)})
         elif op == "tick":
             now += x
             due = {}
@@ -336,15 +338,58 @@ def test_a_new_client_of_a_contended_key_gets_a_round_at_once() -> None:
     # too is blocked.
     b = after_one_round()
     b.add(K, req(1.5, 2))  # parked
-    b.add(K, Waiting({"client_id": "newcomer"}, "reply", "cx", 1.6))
+    b.add(K, Waiting({"client_id": "newcomer", "demand": [{"group": None, "count": 1}]},
+                      "reply", "cx", 1.6))
     assert b.round_at(K) == pytest.approx(1.6 + FREE_GATHER)
     (job,) = b.take_due(1.6 + FREE_GATHER)
     assert isinstance(job, Round) and len(job.requests) == 2
-    b.finished(K, blocked={"newcomer": True, "client-2": False})
-    b.add(K, Waiting({"client_id": "newcomer"}, "reply", "cy", 1.7))
+    b.finished(K, blocked={"newcomer": frozenset({None}), "client-2": frozenset()})
+    b.add(K, Waiting({"client_id": "newcomer", "demand": [{"group": None, "count": 1}]},
+                      "reply", "cy", 1.7))
     assert b.round_at(K) == pytest.approx(1.6 + FREE_GATHER + PERIOD + GATHER)
     b.add(K, req(1.8, 2))  # served last round: no longer parked
     assert b.round_at(K) == pytest.approx(1.8 + FREE_GATHER)
+
+
+def test_a_blocked_client_asking_for_another_group_is_not_parked() -> None:
+    # Blocked by a group's ceiling, a client's demand for a group with room must not
+    # wait for the key's period.
+    b = batcher()
+    b.add(K, req(0.0, 1))
+    b.take_due(1.0)
+    b.finished(K, blocked={"client-1": frozenset({"capped"})})
+    capped = {"client_id": "client-1", "demand": [{"group": "capped", "count": 2}]}
+    b.add(K, Waiting(capped, "reply", "c1", 1.1))
+    assert b.round_at(K) == pytest.approx(3.0 + GATHER)
+    both = {"client_id": "client-1",
+            "demand": [{"group": "capped", "count": 2}, {"group": None, "count": 1}]}
+    b.add(K, Waiting(both, "reply", "c2", 1.2))
+    assert b.round_at(K) == pytest.approx(1.2 + FREE_GATHER)
+
+
+def test_a_report_alone_is_never_parked_and_news_is_per_grant() -> None:
+    b = after_one_round()
+    sync = {"client_id": "client-1", "grants": [{"grant_id": "a", "claimed": 1, "released": 0}]}
+    b.add(K, Waiting(sync, "reply", "s1", 1.1))  # a claim: its client awaits the answer
+    assert b.round_at(K) == pytest.approx(1.1 + FREE_GATHER)
+    b.take_due(1.1 + FREE_GATHER)
+    b.finished(K, blocked=BLOCKED)
+    # A release beyond what the client's last request listed for that grant: news.
+    b.add(K, Waiting({"client_id": "client-1", "demand": [{"group": None, "count": 1}],
+                      "grants": [{"grant_id": "a", "claimed": 1, "released": 1}]},
+                     "reply", "s2", 1.2))
+    assert b.round_at(K) == pytest.approx(1.2 + PROMPT)
+
+
+def test_a_round_that_blocks_nobody_unparks_everyone() -> None:
+    # Capacity came back and went to nobody (no one who asked in that round was
+    # blocked): a client blocked before asks next with nothing to wait for.
+    b = after_one_round()
+    b.add(K, req(1.1, 3, released=1))
+    assert len(b.take_due(1.1 + PROMPT)) == 1
+    b.finished(K, blocked={"client-3": frozenset()})
+    b.add(K, req(1.2, 2))  # blocked by the first round, now not parked
+    assert b.round_at(K) == pytest.approx(1.2 + FREE_GATHER)
 
 
 def test_take_due_takes_at_most_limit_jobs_and_keeps_the_rest_due() -> None:

@@ -35,17 +35,17 @@ def test_metadata_is_importable_for_alembic() -> None:
 def test_migrate_creates_is_idempotent_and_drops(database_url: str) -> None:
     engine = store.create_engine(database_url)
     try:
-        store.migrate(engine)
+        assert store.migrate(engine) == "created"
         assert _tables(engine) == TABLES
-        store.migrate(engine)  # idempotent
+        assert store.migrate(engine) == "current"  # idempotent, and says it changed nothing
         with engine.connect() as conn:
             versions = conn.execute(sa.select(store.schema.schema_version)).all()
         assert [tuple(v) for v in versions] == [(1, store.SCHEMA_VERSION)]
         indexes = {ix["name"] for ix in sa.inspect(engine).get_indexes("durability_semaphore_keys")}
         assert "ix_durability_semaphore_keys_deadline" in indexes
-        DurabilitySemaphore.migrate(engine, None)
+        assert DurabilitySemaphore.migrate(engine, None) == "removed"
         assert _tables(engine) == set()
-        DurabilitySemaphore.migrate(engine, None)  # dropping nothing is fine too
+        assert DurabilitySemaphore.migrate(engine, None) == "absent"  # dropping nothing is fine
     finally:
         engine.dispose()
 
@@ -84,7 +84,7 @@ def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: st
                 ' "group", permits, drawn, released, issued_at, last_report_at, status,'
                 " confirmed, issued_limit, issued_group_limit) VALUES ('s', 'k', 'l-1', 'c',"
                 " NULL, 4, 1, 0, 1.0, 1.0, 'active', false, 10, NULL)"))
-        store.migrate(engine)
+        assert store.migrate(engine) == "upgraded"
         with engine.begin() as conn:
             version = conn.execute(sa.select(store.schema.schema_version.c.version)).scalar()
             (lease,) = store.load(conn, "s", "k").leases
@@ -187,3 +187,35 @@ def test_holders_migrating_one_fresh_sqlite_file_at_once_never_fail(tmp_path: Pa
         for e in engines:
             e.dispose()
     assert errors == []
+
+
+def test_rounds_on_a_database_without_the_schema_say_to_migrate(database_url: str) -> None:
+    # The holder logs what the round raised: it must say what is wrong and what to run,
+    # in one line, not "database error ... relation does not exist".
+    from durability_celery.errors import InfrastructureError, SchemaMissing
+
+    sem = DurabilitySemaphore("no-schema", database=database_url, limit=1)
+    message = {"type": "request", "v": 1, "semaphore": "no-schema", "key": "k",
+               "client_id": "c1", "demand": [{"group": None, "count": 1, "oldest_at": 1.0}],
+               "grants": [], "leases": []}
+    try:
+        for call in (lambda: sem.run_round("k", [message]), lambda: sem.reclaim("k"),
+                     sem.deadlines):
+            with pytest.raises(SchemaMissing) as raised:
+                call()
+            text = str(raised.value)
+            assert text.startswith("the database has no durability schema (")
+            assert text.endswith("): run `durability-celery migrate`")
+            assert "durability_semaphore_" in text and "\n" not in text
+        sem.migrate()
+        assert sem.run_round("k", [message])[0]["grants"]
+    finally:
+        sem.close()
+    down = DurabilitySemaphore("no-schema", database="postgresql://postgres@127.0.0.1:1/x",
+                               limit=1)
+    try:  # an unreachable database is not mistaken for a missing schema
+        with pytest.raises(InfrastructureError) as raised:
+            down.deadlines()
+        assert not isinstance(raised.value, SchemaMissing)
+    finally:
+        down.close()

@@ -179,7 +179,9 @@ def test_leases_survive_the_database(make_sem: SemFactory) -> None:
 def test_missing_schema_is_an_infrastructure_error(database_url: str) -> None:
     sem = DurabilitySemaphore("no-schema", database=database_url, limit=1)
     try:
-        with pytest.raises(InfrastructureError, match="database error"):
+        # still an InfrastructureError (clients ask again), saying what to run
+        with pytest.raises(InfrastructureError, match=r"no durability schema .* run "
+                           r"`durability-celery migrate`"):
             sem.run_round("k", [])
         with pytest.raises(InfrastructureError):
             sem.usage("k")

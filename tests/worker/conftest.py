@@ -1,6 +1,7 @@
 # Fixtures of the gate tests: a PostgreSQL database of this area's own, the
-# Redis broker (DB 4) and ledger (DB 5), and a `Cluster` that starts one holder
-# worker and any number of client workers as real subprocesses on one config.
+# Redis broker (DB 4) and ledger (DB 5; both shifted by DC_TEST_REDIS_DB_OFFSET),
+# and a `Cluster` that starts one holder worker and any number of client workers
+# as real subprocesses on one config.
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from support import Proc, Processes, create_postgres_database
+from support import Proc, Processes, create_postgres_database, redis_db_url
 
 BROKER_DB = 4
 LEDGER_DB = 5
@@ -199,8 +200,8 @@ class Cluster:
 @pytest.fixture
 def cluster_factory(processes: Processes, gate_database: str
                     ) -> Iterator[Callable[..., Cluster]]:
-    broker = f"redis://127.0.0.1:6379/{BROKER_DB}"
-    ledger = f"redis://127.0.0.1:6379/{LEDGER_DB}"
+    broker = redis_db_url(BROKER_DB)
+    ledger = redis_db_url(LEDGER_DB)
     for url in (broker, ledger):
         client = redis.Redis.from_url(url)
         client.flushdb()

@@ -138,3 +138,49 @@ def test_a_subclass_of_admitted_request_is_accepted(app: Celery) -> None:
 
 class MyRequest(AdmittedRequest):
     pass
+
+
+def test_options_are_checked_when_the_decorator_runs(app: Celery) -> None:
+    # Nothing touches the task: Celery would build it only when the app finalizes.
+    with pytest.raises(ConfigurationError) as raised:
+        @app.task(base=AdmittedTask, semaphore="acounts", key="account")
+        def misspelt(account: str) -> None: ...
+    assert str(raised.value) == (f"task {__name__}.misspelt: unknown semaphore 'acounts' "
+                                 "(configured: accounts)")
+    with pytest.raises(ConfigurationError, match=r"^task .*\.keyless: key argument 'acct' is "
+                       r"not a parameter of the task \(parameters: account\)$"):
+        @app.task(base=AdmittedTask, semaphore="accounts", key="acct")
+        def keyless(account: str) -> None: ...
+    with pytest.raises(ConfigurationError, match="unknown semaphore 'nope'"):
+        app.task(lambda account: None, base=AdmittedTask, semaphore="nope", key="account")
+    # Refused before Celery registered them (shared tasks join every app that finalizes
+    # later): this app and a new one finalize cleanly, without them.
+    app.finalize()
+    assert not any(name.endswith(("misspelt", "keyless")) for name in app.tasks)
+    Celery("after", broker="memory://", set_as_current=False).finalize()
+
+
+def test_a_good_bound_task_passes_the_decoration_check(app: Celery) -> None:
+    @app.task(base=AdmittedTask, semaphore="accounts", key="account", bind=True)
+    def bound(self: Any, account: str) -> str:
+        return account
+
+    assert bound.admission().key_of(("a1",), {}) == "a1"
+
+
+def test_a_task_decorated_before_durability_is_checked_when_the_app_finalizes(
+        tmp_path: Path) -> None:
+    later = Celery("later", broker="memory://", set_as_current=False)
+
+    @later.task(base=AdmittedTask, semaphore="nope", key="account", shared=False)
+    def early(account: str) -> None: ...
+
+    semaphore = DurabilitySemaphore("accounts", database=f"sqlite:///{tmp_path / 'd.db'}",
+                                    limit=3)
+    try:
+        Durability(later, [semaphore])
+        with pytest.raises(ConfigurationError, match=r"^task .*\.early: unknown semaphore "
+                           r"'nope' \(configured: accounts\)$"):
+            later.finalize()
+    finally:
+        semaphore.close()

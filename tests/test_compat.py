@@ -1,0 +1,182 @@
+# durability_celery/compat.py without services: the version check's one line,
+# and each shim on a kombu that has the feature and on one that lacks it (fakes
+# standing in for the objects of the other kombu).
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from celery import Celery
+from kombu import Connection, Producer
+from kombu.transport import filesystem
+
+from durability_celery import compat
+from durability_celery.app import Durability
+from durability_celery.errors import ConfigurationError
+
+
+def test_the_installed_versions_are_supported() -> None:
+    compat.check_versions()
+
+
+@pytest.mark.parametrize("celery, kombu", [
+    ("5.4.0", "5.4.2"), ("5.5.3", "5.5.4"), ("5.6.3", "5.6.2"), ("5.7.0", "5.7.0"),
+    ("5.7.9", "5.7.99"), ("5.4.0rc1", "5.4.2"),
+])
+def test_supported_pairs_pass(celery: str, kombu: str) -> None:
+    compat.check_versions({"celery": celery, "kombu": kombu})
+
+
+@pytest.mark.parametrize("celery, kombu, line", [
+    ("5.3.6", "5.7.0", "durability-celery supports celery >=5.4,<5.8; installed: 5.3.6"),
+    ("5.8.0", "5.7.0", "durability-celery supports celery >=5.4,<5.8; installed: 5.8.0"),
+    ("6.0.0b1", "5.7.0", "durability-celery supports celery >=5.4,<5.8; installed: 6.0.0b1"),
+    ("5.7.0", "5.4.1", "durability-celery supports kombu >=5.4.2,<5.8; installed: 5.4.1"),
+    ("5.7.0", "5.8.0", "durability-celery supports kombu >=5.4.2,<5.8; installed: 5.8.0"),
+    ("5.7.0", None, "durability-celery supports kombu >=5.4.2,<5.8; installed: none"),
+])
+def test_an_unsupported_version_is_one_clear_line(celery: str, kombu: str | None,
+                                                  line: str) -> None:
+    installed = {"celery": celery} | ({"kombu": kombu} if kombu else {})
+    with pytest.raises(ConfigurationError) as caught:
+        compat.check_versions(installed)
+    assert str(caught.value) == line
+
+
+def test_durability_checks_the_versions_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "_installed", {"celery": "5.3.6", "kombu": "5.3.7"}.get)
+    with pytest.raises(ConfigurationError, match=r"^durability-celery supports celery"):
+        Durability(Celery("compat-check"), [])
+
+
+# Producer.batch (kombu PR #2572)
+
+class _NoBatchProducer:
+    """A producer of kombu < 5.7: no batch()."""
+
+
+def test_a_producer_without_batches_publishes_at_once() -> None:
+    assert compat.open_publish_batch(_NoBatchProducer()) is None
+
+
+def test_a_producer_with_batches_opens_one() -> None:
+    opened: list[int] = []
+
+    class BatchProducer:
+        def batch(self) -> contextlib.AbstractContextManager[None]:
+            opened.append(1)
+            return contextlib.nullcontext()
+
+    batch = compat.open_publish_batch(BatchProducer())
+    assert batch is not None and opened == [1]  # made, not yet entered
+
+
+def test_the_installed_kombus_producer() -> None:
+    with Connection("memory://") as connection:
+        batch = compat.open_publish_batch(connection.Producer())
+        assert (batch is not None) == hasattr(Producer, "batch")
+
+
+# Redis x-expires (kombu PR #2251)
+
+class _Pipe:
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def __enter__(self) -> _Pipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def pexpire(self, key: str, ms: int) -> None:
+        self.log.append(("pexpire", key, ms))
+
+    def execute(self) -> None:
+        self.log.append("execute")
+
+
+class _OldRedisChannel:
+    """The parts of a kombu < 5.7 Redis channel the shim uses (no _get_queue_expire)."""
+
+    priority_steps: ClassVar[list[int]] = [0, 3, 6, 9]
+    sep = "\x06\x16"
+
+    def __init__(self) -> None:
+        self.log: list[Any] = []
+
+    @contextlib.contextmanager
+    def conn_or_acquire(self) -> Iterator[Any]:
+        log = self.log
+
+        class Client:
+            def pipeline(self) -> _Pipe:
+                return _Pipe(log)
+        yield Client()
+
+    def _q_for_pri(self, queue: str, pri: int) -> str:
+        return f"{queue}{self.sep}{pri}" if pri else queue
+
+
+def test_expiry_is_detected_by_feature() -> None:
+    assert not compat.redis_applies_queue_expiry(_OldRedisChannel())
+
+    class NewRedisChannel(_OldRedisChannel):
+        def _get_queue_expire(self, args: Any) -> int | None:
+            return None
+
+    assert compat.redis_applies_queue_expiry(NewRedisChannel())
+
+
+def test_expiry_by_hand_covers_every_priority_list_in_one_round_trip() -> None:
+    channel = _OldRedisChannel()
+    compat.expire_redis_queue(channel, "dc.reply.x", 60_000)
+    sep = _OldRedisChannel.sep
+    assert channel.log == [
+        ("pexpire", "dc.reply.x", 60_000), ("pexpire", f"dc.reply.x{sep}3", 60_000),
+        ("pexpire", f"dc.reply.x{sep}6", 60_000), ("pexpire", f"dc.reply.x{sep}9", 60_000),
+        "execute"]
+
+
+# filesystem _exchange_file (kombu PR #2645) and the temporary name (kombu #2646/#2647)
+
+def test_exchange_file_without_kombus_helper(tmp_path: Path) -> None:
+    class OldChannel:
+        control_folder = tmp_path
+
+    expected = tmp_path / "celery.pidbox.exchange"
+    assert compat.exchange_file(OldChannel(), "celery.pidbox") == expected
+
+
+def test_exchange_file_with_kombus_helper_is_kombus(tmp_path: Path) -> None:
+    class NewChannel:
+        control_folder = tmp_path
+
+        def _exchange_file(self, exchange: str) -> Path:
+            return tmp_path / "by-kombu"
+
+    assert compat.exchange_file(NewChannel(), "x") == tmp_path / "by-kombu"
+
+
+def test_the_local_exchange_path_matches_the_installed_kombu(tmp_path: Path) -> None:
+    options = {"control_folder": str(tmp_path / "control"), "data_folder_in": str(tmp_path),
+               "data_folder_out": str(tmp_path)}
+    with Connection("filesystem://", transport_options=options) as connection:
+        channel: Any = connection.default_channel
+        assert isinstance(channel, filesystem.Channel)
+        expected = tmp_path / "control" / "reply.exchange"
+        if hasattr(filesystem.Channel, "_exchange_file"):
+            assert channel._exchange_file("reply") == expected
+        assert compat.exchange_file(channel, "reply") == expected
+
+
+@pytest.mark.parametrize("queue", ["celery", "msg", "tmp", "durability.batch.0", ""])
+def test_a_temporary_name_is_never_a_message_of_any_queue(tmp_path: Path, queue: str) -> None:
+    final = tmp_path / f"1234_5678.{queue}.msg"
+    tmp = compat.temporary_beside(final)
+    assert tmp.parent == final.parent and tmp != final
+    assert ".msg" not in tmp.name  # kombu < 5.7 matches ".<queue>.msg" anywhere in a name
+    assert compat.temporary_beside(final) != tmp
