@@ -281,8 +281,8 @@ class Dispatcher(threading.Thread):
 
     def _run_batch(self, jobs: list[Round]) -> None:
         semaphore = jobs[0].key_id[0]
-        batch = [(job.key_id[1], [r.body for r in job.requests]) for job in jobs]
         try:
+            batch = [(job.key_id[1], [r.body for r in job.requests]) for job in jobs]
             results = self._semaphores[semaphore].run_rounds(batch)
             if len(results) != len(jobs):
                 raise RuntimeError(f"run_rounds returned {len(results)} results "
@@ -290,13 +290,14 @@ class Dispatcher(threading.Thread):
         except Exception as exc:  # the whole batch: nothing of it committed
             what = "round" if len(jobs) == 1 else f"round batch of {len(jobs)} keys"
             _log_failure(what, jobs[0].key_id, exc)
-            results = [exc] * len(jobs)
-        else:
-            for job, result in zip(jobs, results, strict=True):
-                if isinstance(result, Exception):
-                    _log_failure("round", job.key_id, result)
-        self._inbox.put(_BatchDone(tuple(
-            (job, _responses(job, result)) for job, result in zip(jobs, results, strict=True))))
+            results = [None] * len(jobs)
+        try:
+            done = tuple((job, _responses(job, result))
+                         for job, result in zip(jobs, results, strict=True))
+        except Exception:  # a bug must not leave these keys busy and this thread counted
+            logger.exception("durability holder: answering a round batch failed")
+            done = tuple((job, None) for job in jobs)
+        self._inbox.put(_BatchDone(done))
 
     def _run_reclaim(self, job: Reclaim) -> None:
         semaphore, key = job.key_id
@@ -323,8 +324,12 @@ class Dispatcher(threading.Thread):
 
 
 def _responses(job: Round, result: object) -> list[dict[str, Any]] | None:
-    """A round's responses, or None when it failed or answered the wrong number."""
+    """A round's responses, or None when it failed (None: with its whole batch, logged
+    already) or answered the wrong number."""
+    if result is None:
+        return None
     if isinstance(result, Exception):
+        _log_failure("round", job.key_id, result)
         return None
     if not isinstance(result, list) or len(result) != len(job.requests):
         logger.error("durability holder: round for %s/%s gave a wrong answer: %r",
