@@ -1,77 +1,41 @@
 # `DurabilitySemaphore`: one semaphore's validated settings, its live limit
 # callbacks and its SQL store, around the pure core. Rule: every public call is
-# one database transaction (rounds lock the key row) that commits before it
-# returns; settings are checked once, at construction, naming the setting.
+# one database transaction (rounds lock their key rows; `run_rounds` runs the
+# rounds of many keys in one) that commits before it returns; settings are
+# checked once, at construction, naming the setting.
 from __future__ import annotations
 
-import inspect
 import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, overload
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from . import store
+from .callbacks import (
+    CallbackLimits,
+    CanGrantCallback,
+    GroupLimitCallback,
+    KeyLimits,
+    LimitCallback,
+    check_callable,
+)
 from .core.clients import Forgotten, forget_client
-from .core.config import Leases, RoundConfig, validate_limit_value, validate_seconds
+from .core.config import Leases, RoundConfig, validate_seconds
 from .core.messages import MAX_KEY_LENGTH
 from .core.round import KeyState, reclaim, run_round, with_lease_deadline
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
 
-LimitCallback = Callable[[str], int]
-GroupLimitCallback = Callable[[str, str], "int | None"]
-CanGrantCallback = Callable[[str, str, "str | None"], bool]
 
+class _NoneCommitted(Exception):
+    """Every round of a batch failed: the transaction rolls back, with their exceptions."""
 
-def _check_callable(setting: str, value: object, params: Sequence[str]) -> None:
-    """A callback must be callable with `params` positionally (checked where Python can)."""
-    if not callable(value):
-        raise ConfigurationError(f"{setting} must be callable, got {type(value).__name__}")
-    try:
-        signature = inspect.signature(value)
-    except (TypeError, ValueError):
-        return  # builtins without a signature: trust them
-    try:
-        signature.bind(*params)
-    except TypeError:
-        raise ConfigurationError(
-            f"{setting} must accept {len(params)} positional argument(s) "
-            f"({', '.join(params)}); its signature is {signature}"
-        ) from None
-
-
-class _CallbackLimits:
-    """The core's LimitSource over the user's settings; the core validates the answers."""
-
-    def __init__(self, limit: int | LimitCallback, group_limit: GroupLimitCallback | None,
-                 can_grant: CanGrantCallback | None) -> None:
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            validate_limit_value("limit", limit)
-        elif callable(limit):
-            _check_callable("limit", limit, ("key",))
-        else:
-            raise ConfigurationError(
-                f"limit must be an int or a callable(key) -> int, got {type(limit).__name__}"
-            )
-        if group_limit is not None:
-            _check_callable("group_limit", group_limit, ("key", "group"))
-        if can_grant is not None:
-            _check_callable("can_grant", can_grant, ("key", "client_id", "group"))
-        self._limit = limit
-        self._group_limit = group_limit
-        self._can_grant = can_grant
-
-    def limit(self, key: str) -> int:
-        return self._limit if isinstance(self._limit, int) else self._limit(key)
-
-    def group_limit(self, key: str, group: str) -> int | None:
-        return None if self._group_limit is None else self._group_limit(key, group)
-
-    def can_grant(self, key: str, client_id: str, group: str | None) -> bool:
-        return True if self._can_grant is None else self._can_grant(key, client_id, group)
+    def __init__(self, results: dict[str, Any]) -> None:
+        super().__init__("every round of the batch failed")
+        self.results = results
 
 
 class _MigrateEngine(Protocol):
@@ -148,8 +112,8 @@ class DurabilitySemaphore:
         # finished task's permit straight to its next queued task of the same key and
         # group before the permit must go back to the holder (SemaphoreClient.pass_on).
         self._handoff_window = validate_seconds("handoff_window", handoff_window)
-        self._limits = _CallbackLimits(limit, group_limit, can_grant)
-        _check_callable("clock", clock, ())
+        self._limits = CallbackLimits(limit, group_limit, can_grant)
+        check_callable("clock", clock, ())
         self._clock = clock
         if isinstance(database, Engine):
             self._engine, self._owns_engine = store.prepare_engine(database), False
@@ -204,36 +168,98 @@ class DurabilitySemaphore:
         """One round for `key`: one response per message, in order, after the commit.
 
         An invalid message gets an error answer and changes nothing; a database
-        failure raises InfrastructureError and changes nothing.
+        failure raises InfrastructureError and changes nothing. `run_rounds` of one key.
         """
-        key = self._check_key(key)
+        [result] = self.run_rounds([(key, messages)], now=now)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def run_rounds(self, batch: Sequence[tuple[str, Sequence[object]]], *,
+                   now: float | None = None) -> list[list[dict[str, Any]] | Exception]:
+        """One round for each (key, messages) of `batch`, all in one transaction: per
+        item, in order, its responses (as `run_round` gives them) or the exception its
+        round raised (a bad key or message list, a failing core), which spoils no other.
+
+        Each key's round is exactly its `run_round`. A database failure raises
+        InfrastructureError and changes nothing; a key appears at most once.
+        """
+        at = self._now(now)
+        results: list[list[dict[str, Any]] | Exception | None] = [None] * len(batch)
+        todo: dict[str, tuple[int, Sequence[object], KeyLimits]] = {}
+        for index, item in enumerate(batch):
+            try:
+                key, messages = self._check_round(item, todo)
+            except CallerError as exc:
+                results[index] = exc
+                continue
+            # Resolved before BEGIN: a slow limit callback never holds key rows locked.
+            todo[key] = (index, messages, KeyLimits(self._limits, key))
+        if todo:
+            try:
+                done = store.run_transaction(
+                    self._engine, lambda conn: self._rounds(conn, todo, at), write=True)
+            except _NoneCommitted as failed:
+                done = failed.results
+            for key, result in done.items():
+                results[todo[key][0]] = result
+        return [r if r is not None else RuntimeError("no result") for r in results]
+
+    def _check_round(self, item: object, todo: dict[str, Any]) -> tuple[str, Sequence[object]]:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise CallerError("each batch item must be a (key, messages) pair")
+        key, messages = self._check_key(item[0]), item[1]
         if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
             raise CallerError("messages must be a list of wire messages")
-        at = self._now(now)
-        with store.transaction(self._engine, write=True) as conn:
-            old = store.load(conn, self.name, key)
-            result = run_round(old, messages, config=self._config, limits=self._limits,
-                               now=at, new_id=_new_id)
-            store.save(conn, old, result.state, now=at)
-        return list(result.responses)
+        if key in todo:
+            raise CallerError(f"key {key!r} appears twice in the batch")
+        return key, messages
+
+    def _rounds(self, conn: Connection,
+                todo: dict[str, tuple[int, Sequence[object], KeyLimits]],
+                at: float) -> dict[str, list[dict[str, Any]] | Exception]:
+        """The body of `run_rounds`' transaction (run again if its connection was dead)."""
+        olds = store.load_many(conn, self.name, todo)
+        done: dict[str, list[dict[str, Any]] | Exception] = {}
+        changes = []
+        for key, (_, messages, limits) in todo.items():
+            try:
+                result = run_round(olds[key], messages, config=self._config, limits=limits,
+                                   now=at, new_id=_new_id)
+            except Exception as exc:  # this key's round fails alone
+                done[key] = exc
+                continue
+            changes.append((olds[key], result.state))
+            done[key] = list(result.responses)
+        if not changes:
+            raise _NoneCommitted(done)  # roll back the key rows a failed first round made
+        store.save_many(conn, changes, now=at)
+        unused = [key for key, result in done.items()
+                  if isinstance(result, Exception) and olds[key].rounds == 0]
+        if unused:
+            store.forget_unused_keys(conn, self.name, unused)
+        return done
 
     def reclaim(self, key: str, *, now: float | None = None) -> float | None:
         """Reclaim expired unclaimed grants of `key`; returns its next claim deadline or None."""
         key = self._check_key(key)
         at = self._now(now)
-        with store.transaction(self._engine, write=True) as conn:
+
+        def body(conn: Connection) -> float | None:
             old = store.read(conn, self.name, key, lock=True)
             if old is None:
                 return None  # never had a round: nothing to reclaim
             new = reclaim(old, config=self._config, now=at)
             store.save(conn, old, new, now=at)
-        return new.next_claim_deadline
+            return new.next_claim_deadline
+
+        return store.run_transaction(self._engine, body, write=True)
 
     def state(self, key: str) -> KeyState:
         """A consistent snapshot of `key`'s holder state (empty if it never had a round)."""
         key = self._check_key(key)
-        with store.transaction(self._engine, write=False) as conn:
-            found = store.read(conn, self.name, key)
+        found = store.run_transaction(
+            self._engine, lambda conn: store.read(conn, self.name, key), write=False)
         return found if found is not None else KeyState(semaphore=self.name, key=key)
 
     def usage(self, key: str, *, now: float | None = None) -> Usage:
@@ -244,14 +270,14 @@ class DurabilitySemaphore:
     def due_deadlines(self, *, now: float | None = None) -> list[tuple[str, float]]:
         """(key, deadline) of keys whose next deadline (see `deadlines`) is at or before `now`."""
         at = self._now(now)
-        with store.transaction(self._engine, write=False) as conn:
-            return store.deadlines(conn, self.name, due_by=at)
+        return store.run_transaction(
+            self._engine, lambda conn: store.deadlines(conn, self.name, due_by=at), write=False)
 
     def deadlines(self) -> list[tuple[str, float]]:
         """(key, next deadline) of every key with unclaimed grant permits or unacknowledged
         leases (when time alone changes it: see KeyState.next_claim_deadline), earliest first."""
-        with store.transaction(self._engine, write=False) as conn:
-            return store.deadlines(conn, self.name)
+        return store.run_transaction(
+            self._engine, lambda conn: store.deadlines(conn, self.name), write=False)
 
     def keys(self) -> list[str]:
         """Every key of this semaphore that has had a round."""

@@ -239,11 +239,12 @@ class Batcher:
             slot.wake_at = at
             heapq.heappush(self._wakes, (at, next(self._order), key_id))
 
-    def take_due(self, now: float) -> list[Job]:
-        """Jobs to start now, earliest due first; their keys are busy until `finished`."""
+    def take_due(self, now: float, *, limit: int | None = None) -> list[Job]:
+        """Jobs to start now, earliest due first, at most `limit` of them (the rest stay
+        due); their keys are busy until `finished`."""
         jobs: list[Job] = []
         wakes = self._wakes
-        while wakes and wakes[0][0] <= now:
+        while wakes and wakes[0][0] <= now and (limit is None or len(jobs) < limit):
             at, _, key_id = heapq.heappop(wakes)
             slot = self._slots.get(key_id)
             if slot is None or slot.wake_at != at:

@@ -1,8 +1,11 @@
 # The holder's scheduling thread: takes requests from the consumer thread,
-# starts each key's round or reclaim on a thread pool when the Batcher says it
-# is due, and publishes the answers. Rules: SQL runs only on the pool threads;
-# replies are published only after `run_round` returned (its transaction
-# committed), and only from this thread, which owns the reply connection.
+# starts the rounds the Batcher says are due, many keys' rounds of one
+# semaphore in one batch (one transaction: `run_rounds`), and each reclaim, on
+# a thread pool, and publishes the answers. Rules: SQL runs only on the pool
+# threads; replies are published only after `run_rounds` returned (its
+# transaction committed), and only from this thread, which owns the reply
+# connection. Due rounds are taken only when a round thread is free, so under
+# load they gather into larger batches instead of queueing one by one.
 from __future__ import annotations
 
 import logging
@@ -28,6 +31,13 @@ MAX_WAITING = 50_000
 cannot exhaust the holder's memory (clients back off and ask again)."""
 MAX_SLEEP = 0.5
 """Longest wait for an event, so a stop is noticed promptly even without one."""
+MAX_BATCH = 200
+"""Most keys whose rounds run in one transaction: bounds how long their rows stay
+locked and how long one batch's replies wait for its slowest key."""
+OVERLOAD_LAG = 1.0
+"""Seconds a due job may wait for a free round thread before the holder says it is
+overloaded (`Dispatcher.overloaded`, and a warning at most every OVERLOAD_LOG_EVERY)."""
+OVERLOAD_LOG_EVERY = 30.0
 MAX_EVENTS_PER_PASS = 100
 """Events handled between two looks at the due jobs; their replies go out together
 (ReplyPublisher.batch). Bounded, so a busy inbox delays neither the replies nor
@@ -48,9 +58,9 @@ class _ErrorAnswer:
 
 
 @dataclass(frozen=True)
-class _RoundDone:
-    job: Round
-    responses: list[dict[str, Any]] | None  # None: the round failed, nothing committed
+class _BatchDone:
+    rounds: tuple[tuple[Round, list[dict[str, Any]] | None], ...]
+    """Each round with its responses; None: that round failed, nothing of it committed."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,12 @@ class Dispatcher(threading.Thread):
         self._inbox: queue.Queue[object] = queue.Queue()
         self._batcher = Batcher(self._timing)
         self._pool = ThreadPoolExecutor(round_threads, thread_name_prefix="durability-round")
+        self._round_threads = round_threads
         self._running = 0
+        self._jobs = 0  # batches and reclaims started and not done: the busy round threads
+        self._next_overload_log = 0.0
+        self.overloaded = False
+        """Whether due rounds wait more than OVERLOAD_LAG for a round thread (read anywhere)."""
         self._next_scan = 0.0
 
     # --- called from other threads ---------------------------------------
@@ -124,7 +139,7 @@ class Dispatcher(threading.Thread):
 
     def _wait_time(self) -> float:
         wake = self._batcher.next_wake()
-        if wake is None:
+        if wake is None or self._jobs >= self._round_threads:  # a job's end wakes us
             return MAX_SLEEP
         return min(MAX_SLEEP, max(0.0, wake - self._clock()))
 
@@ -155,10 +170,14 @@ class Dispatcher(threading.Thread):
             elif event.request.reply_to:
                 self._publisher.publish(event.request.reply_to, event.request.correlation_id,
                                         error_reply("unavailable", "the holder is overloaded"))
-        elif isinstance(event, _RoundDone):
-            self._round_done(event)
+        elif isinstance(event, _BatchDone):
+            self._running -= 1
+            self._jobs -= 1
+            for job, responses in event.rounds:
+                self._round_done(job, responses)
         elif isinstance(event, _ReclaimDone):
             self._running -= 1
+            self._jobs -= 1
             self._batcher.finished(event.key_id)
             now = self._clock()
             deadline = now + RETRY_AFTER_FAILURE if event.failed else event.deadline
@@ -174,21 +193,20 @@ class Dispatcher(threading.Thread):
         elif isinstance(event, _ErrorAnswer):
             self._publisher.publish(event.reply_to, event.correlation_id, event.body)
 
-    def _round_done(self, event: _RoundDone) -> None:
-        self._running -= 1
-        key_id = event.job.key_id
-        self._batcher.finished(key_id, round_at=_round_at(event.responses),
-                               blocked=_blocked(event.job, event.responses))
-        if event.responses is None:
+    def _round_done(self, job: Round, responses: list[dict[str, Any]] | None) -> None:
+        key_id = job.key_id
+        self._batcher.finished(key_id, round_at=_round_at(responses),
+                               blocked=_blocked(job, responses))
+        if responses is None:
             answers: Iterable[dict[str, Any]] = [
                 error_reply("unavailable", "the holder's database failed; ask again later")
-            ] * len(event.job.requests)
+            ] * len(job.requests)
         else:
-            answers = event.responses
-            for deadline in _claim_deadlines(event.responses):
+            answers = responses
+            for deadline in _claim_deadlines(responses):
                 self._batcher.set_alarm(key_id, deadline)
-        for request, answer in zip(event.job.requests, answers, strict=True):
-            if "error" in answer and event.responses is not None:
+        for request, answer in zip(job.requests, answers, strict=True):
+            if "error" in answer and responses is not None:
                 # Refused by validation (it changed nothing): say so even when
                 # there is no one to answer, so hostile or broken senders show up.
                 logger.warning("holder: refused a message for %s/%s (reply_to=%s): %s",
@@ -199,16 +217,38 @@ class Dispatcher(threading.Thread):
 
     def _start_due_jobs(self) -> None:
         now = self._clock()
-        for job in self._batcher.take_due(now):
-            self._running += 1
-            if isinstance(job, Round):
-                self._track(self._pool.submit(self._run_round, job))
-            else:
-                self._track(self._pool.submit(self._run_reclaim, job))
+        free = self._round_threads - self._jobs
+        if free > 0:
+            rounds: dict[str, list[Round]] = {}
+            for job in self._batcher.take_due(now, limit=free * MAX_BATCH):
+                if isinstance(job, Round):
+                    rounds.setdefault(job.key_id[0], []).append(job)
+                else:
+                    self._submit(self._run_reclaim, job)
+            for jobs in rounds.values():
+                for start in range(0, len(jobs), MAX_BATCH):
+                    self._submit(self._run_batch, jobs[start:start + MAX_BATCH])
+        self._check_overload(now)
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval
             self._running += 1
             self._track(self._pool.submit(self._scan))
+
+    def _check_overload(self, now: float) -> None:
+        wake = self._batcher.next_wake()  # may be stale, never later than the first due job
+        lag = 0.0 if wake is None else now - wake
+        self.overloaded = lag > OVERLOAD_LAG
+        if self.overloaded and now >= self._next_overload_log:
+            self._next_overload_log = now + OVERLOAD_LOG_EVERY
+            logger.warning(
+                "durability holder: overloaded: due rounds wait %.1f s for a round thread, "
+                "%d requests waiting; more holders (--durability-shards) or a longer "
+                "round_period would help", lag, self._batcher.waiting_count())
+
+    def _submit(self, run: Callable[[Any], None], job: object) -> None:
+        self._running += 1
+        self._jobs += 1
+        self._track(self._pool.submit(run, job))
 
     def _track(self, future: Future[None]) -> None:
         # A job cancelled at shutdown never reports back: count it as done.
@@ -239,18 +279,25 @@ class Dispatcher(threading.Thread):
         config = self._semaphores[semaphore].config
         return float(config.round_wait), float(config.round_period)
 
-    def _run_round(self, job: Round) -> None:
-        semaphore, key = job.key_id
-        responses: list[dict[str, Any]] | None = None
+    def _run_batch(self, jobs: list[Round]) -> None:
+        semaphore = jobs[0].key_id[0]
         try:
-            result = self._semaphores[semaphore].run_round(key, [r.body for r in job.requests])
-            if len(result) != len(job.requests):
-                raise RuntimeError(f"run_round returned {len(result)} responses "
-                                   f"for {len(job.requests)} messages")
-            responses = list(result)
-        except Exception as exc:
-            _log_failure("round", job.key_id, exc)
-        self._inbox.put(_RoundDone(job, responses))
+            batch = [(job.key_id[1], [r.body for r in job.requests]) for job in jobs]
+            results = self._semaphores[semaphore].run_rounds(batch)
+            if len(results) != len(jobs):
+                raise RuntimeError(f"run_rounds returned {len(results)} results "
+                                   f"for {len(jobs)} keys")
+        except Exception as exc:  # the whole batch: nothing of it committed
+            what = "round" if len(jobs) == 1 else f"round batch of {len(jobs)} keys"
+            _log_failure(what, jobs[0].key_id, exc)
+            results = [None] * len(jobs)
+        try:
+            done = tuple((job, _responses(job, result))
+                         for job, result in zip(jobs, results, strict=True))
+        except Exception:  # a bug must not leave these keys busy and this thread counted
+            logger.exception("durability holder: answering a round batch failed")
+            done = tuple((job, None) for job in jobs)
+        self._inbox.put(_BatchDone(done))
 
     def _run_reclaim(self, job: Reclaim) -> None:
         semaphore, key = job.key_id
@@ -274,6 +321,21 @@ class Dispatcher(threading.Thread):
             except Exception as exc:
                 _log_failure("deadline scan", (name, "*"), exc)
         self._inbox.put(_ScanDone(found))
+
+
+def _responses(job: Round, result: object) -> list[dict[str, Any]] | None:
+    """A round's responses, or None when it failed (None: with its whole batch, logged
+    already) or answered the wrong number."""
+    if result is None:
+        return None
+    if isinstance(result, Exception):
+        _log_failure("round", job.key_id, result)
+        return None
+    if not isinstance(result, list) or len(result) != len(job.requests):
+        logger.error("durability holder: round for %s/%s gave a wrong answer: %r",
+                     job.key_id[0], job.key_id[1], result)
+        return None
+    return result
 
 
 def _claim_deadlines(responses: Iterable[dict[str, Any]]) -> Iterable[float]:

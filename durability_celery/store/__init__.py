@@ -1,6 +1,7 @@
 # The SQL store: tables, migrations and one locked transaction per round.
 # Rule: it holds no allocation policy; the pure core decides, the store persists.
-from .engine import create_engine, prepare_engine, transaction
+from .engine import create_engine, prepare_engine, run_transaction, transaction
+from .queries import all_keys, deadlines, prune_keys, silent_clients
 from .schema import (
     SCHEMA_VERSION,
     MigrateOutcome,
@@ -12,7 +13,8 @@ from .schema import (
     metadata,
     migrate,
 )
-from .sql import all_keys, deadlines, load, prune_keys, read, save, silent_clients
+from .sql import forget_unused_keys, load, load_many, read
+from .writes import save, save_many
 
 __all__ = [
     # schema
@@ -29,10 +31,14 @@ __all__ = [
     "create_engine",
     "prepare_engine",
     "transaction",
+    "run_transaction",
     # state
     "load",
     "read",
     "save",
+    "load_many",
+    "forget_unused_keys",
+    "save_many",
     # queries
     "all_keys",
     "deadlines",

@@ -1,22 +1,28 @@
 # Engines and transactions of the SQL store. Rule: a round's transaction
 # serializes with every other round of its key before it reads anything
-# (SQLite: BEGIN IMMEDIATE; PostgreSQL: the key row lock taken in store.sql),
+# (SQLite: BEGIN IMMEDIATE; PostgreSQL: the key row locks taken in store.sql),
 # and any database failure leaves as InfrastructureError after a rollback.
+# Connections are not pinged on checkout (a SELECT 1 was a commit of its own
+# per round): `run_transaction` runs its body again, once, when the connection
+# turns out dead before the commit, as a pooled one does after a restart.
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import Engine, event
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
 from ..errors import ConfigurationError, InfrastructureError, SchemaMissing
+
+logger = logging.getLogger("durability_celery.store")
 
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 DEFAULT_BUSY_TIMEOUT = 30.0
@@ -46,8 +52,7 @@ def create_engine(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
         if backend == "sqlite":
             engine = sa.create_engine(parsed, connect_args={"timeout": busy_timeout})
         else:
-            # A holder outlives database restarts: test pooled connections first.
-            engine = sa.create_engine(parsed, pool_pre_ping=True)
+            engine = sa.create_engine(parsed)
     except (ArgumentError, ImportError) as exc:
         raise ConfigurationError(
             f"{setting}: cannot create an engine for {url!r}: {exc}") from exc
@@ -113,6 +118,38 @@ def _install_sqlite_hooks(engine: Engine, busy_timeout: float) -> None:
     event.listen(engine, "begin", on_begin)
 
 
+T = TypeVar("T")
+
+
+def _configure(conn: Connection, write: bool) -> None:
+    postgres = conn.dialect.name == "postgresql"
+    if write:
+        conn.execution_options(durability_write=True)
+        if postgres:
+            # After waiting for the key row lock, a round must read what the
+            # previous round committed: READ COMMITTED, whatever the engine's default.
+            conn.execution_options(isolation_level="READ COMMITTED")
+    elif postgres:
+        conn.execution_options(isolation_level="REPEATABLE READ")
+
+
+def _infrastructure_error(exc: SQLAlchemyError) -> InfrastructureError:
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+    if _missing_table(exc):
+        return SchemaMissing(f"the database has no durability schema ({detail}): run "
+                             "`durability-celery migrate`")
+    return InfrastructureError(f"database error ({type(exc).__name__}): {detail}")
+
+
+def _missing_table(exc: SQLAlchemyError) -> bool:
+    """Whether a statement failed for want of a table: the store queries only its own
+    tables, so the schema was never created (or was dropped), which no retry mends."""
+    orig = getattr(exc, "orig", None)
+    if getattr(orig, "sqlstate", None) == "42P01":  # PostgreSQL: undefined_table
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and str(orig).startswith("no such table")
+
+
 @contextmanager
 def transaction(engine: Engine, *, write: bool) -> Iterator[Connection]:
     """One transaction; commits on success. A database failure raises InfrastructureError.
@@ -123,29 +160,40 @@ def transaction(engine: Engine, *, write: bool) -> Iterator[Connection]:
     """
     try:
         with engine.connect() as conn:
-            postgres = conn.dialect.name == "postgresql"
-            if write:
-                conn.execution_options(durability_write=True)
-                if postgres:
-                    # After waiting for the key row lock, a round must read what the
-                    # previous round committed: READ COMMITTED, whatever the engine's default.
-                    conn.execution_options(isolation_level="READ COMMITTED")
-            elif postgres:
-                conn.execution_options(isolation_level="REPEATABLE READ")
+            _configure(conn, write)
             with conn.begin():
                 yield conn
     except SQLAlchemyError as exc:
-        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        if _missing_table(exc):
-            raise SchemaMissing(f"the database has no durability schema ({detail}): run "
-                                "`durability-celery migrate`") from exc
-        raise InfrastructureError(f"database error ({type(exc).__name__}): {detail}") from exc
+        raise _infrastructure_error(exc) from exc
 
 
-def _missing_table(exc: SQLAlchemyError) -> bool:
-    """Whether a statement failed for want of a table: the store queries only its own
-    tables, so the schema was never created (or was dropped), which no retry mends."""
-    orig = getattr(exc, "orig", None)
-    if getattr(orig, "sqlstate", None) == "42P01":  # PostgreSQL: undefined_table
-        return True
-    return isinstance(orig, sqlite3.OperationalError) and str(orig).startswith("no such table")
+class _DeadBeforeCommit(Exception):
+    """The body of a transaction found its connection dead: nothing was committed."""
+
+
+def _attempt(engine: Engine, body: Callable[[Connection], T], write: bool, retry: bool) -> T:
+    with engine.connect() as conn:
+        _configure(conn, write)
+        with conn.begin():
+            try:
+                return body(conn)
+            except DBAPIError as exc:
+                if retry and exc.connection_invalidated:
+                    raise _DeadBeforeCommit() from exc
+                raise
+
+
+def run_transaction(engine: Engine, body: Callable[[Connection], T], *, write: bool) -> T:
+    """`body(conn)` in one `transaction`, committed on return; run once more on a fresh
+    connection if the first one was found dead before the commit (a failed commit is
+    never retried: it may have committed). The body must have no effect but on `conn`.
+    """
+    try:
+        try:
+            return _attempt(engine, body, write, retry=True)
+        except _DeadBeforeCommit as dead:
+            logger.warning("durability: database connection lost (%s); trying again",
+                           dead.__cause__)
+        return _attempt(engine, body, write, retry=False)
+    except SQLAlchemyError as exc:
+        raise _infrastructure_error(exc) from exc

@@ -390,3 +390,16 @@ def test_a_round_that_blocks_nobody_unparks_everyone() -> None:
     b.finished(K, blocked={"client-3": frozenset()})
     b.add(K, req(1.2, 2))  # blocked by the first round, now not parked
     assert b.round_at(K) == pytest.approx(1.2 + FREE_GATHER)
+
+
+def test_take_due_takes_at_most_limit_jobs_and_keeps_the_rest_due() -> None:
+    b = batcher()
+    keys = [("jobs", f"acct-{n}") for n in range(5)]
+    for n, key in enumerate(keys):
+        b.add(key, req(10.0 + n * 0.001, n))
+    now = 11.0
+    first = b.take_due(now, limit=2)
+    assert [job.key_id for job in first] == keys[:2]  # earliest due first
+    rest = b.take_due(now)
+    assert [job.key_id for job in rest] == keys[2:]
+    assert b.take_due(now) == []

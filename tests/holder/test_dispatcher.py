@@ -1,8 +1,10 @@
 # The dispatcher thread with a stand-in semaphore and publisher (no broker, no
-# database): replies only after run_round returned, one job per key at a time,
-# a slow key does not stall the others, failures answer `unavailable`, claim
-# deadlines and unacknowledged leases in responses arm the alarm, and the
-# replies of one pass over the inbox go out in one bounded batch.
+# database): replies only after run_rounds returned, one job per key at a time,
+# a slow key does not stall the others, failures answer `unavailable` (a whole
+# batch's, or one key's alone), due keys gather into batches while the round
+# threads are busy, claim deadlines and unacknowledged leases in responses arm
+# the alarm, and the replies of one pass over the inbox go out in one bounded
+# batch.
 from __future__ import annotations
 
 import threading
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from durability_celery.errors import InfrastructureError
+from durability_celery.holder import dispatcher as dispatcher_module
 from durability_celery.holder.batching import Waiting
 from durability_celery.holder.dispatcher import MAX_EVENTS_PER_PASS, Dispatcher
 
@@ -40,6 +43,17 @@ class FakeSemaphore:
         self.active: set[str] = set()
         self.overlap = False
         self.lock = threading.Lock()
+        self.batches: list[list[str]] = []
+        self.broken: set[str] = set()
+        """Keys whose round raises on its own (the batch commits the others)."""
+
+    def run_rounds(self, batch: list[tuple[str, list[dict[str, Any]]]]
+                   ) -> list[list[dict[str, Any]] | Exception]:
+        self.batches.append([key for key, _ in batch])
+        if self.fail & {key for key, _ in batch}:
+            raise InfrastructureError("database is down")  # the whole transaction fails
+        return [RuntimeError("bad state") if key in self.broken
+                else self.run_round(key, messages) for key, messages in batch]
 
     def run_round(self, key: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         with self.lock:
@@ -204,3 +218,71 @@ def test_an_unacknowledged_lease_arms_the_alarm_for_its_drop(rig: Any, answer: s
     else:
         time.sleep(1.0)
         assert ("reclaim", "k", 0) not in sem.calls
+
+
+def test_due_keys_gather_into_one_batch_while_the_threads_are_busy() -> None:
+    sem, pub = FakeSemaphore(), FakePublisher()
+    dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
+                            round_threads=1, scan_interval=100.0)  # type: ignore[arg-type]
+    sem.gates["first"] = threading.Event()
+    dispatcher.start()
+    try:
+        send(dispatcher, "first", 0)
+        wait_for(lambda: ("round", "first", 1) in sem.calls)
+        for n in range(1, 6):  # due while the only round thread is busy
+            send(dispatcher, f"k{n}", n)
+        time.sleep(0.1)
+        sem.gates["first"].set()
+        wait_for(lambda: len(pub.sent) == 6)
+    finally:
+        dispatcher.stop(timeout=5)
+    assert sem.batches == [["first"], [f"k{n}" for n in range(1, 6)]]
+    assert pub.batches[-1] == [f"c{n}" for n in range(1, 6)]  # one batch, one publish batch
+
+
+def test_a_key_that_fails_alone_leaves_its_batch_answered() -> None:
+    sem, pub = FakeSemaphore(), FakePublisher()
+    dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
+                            round_threads=1, scan_interval=100.0)  # type: ignore[arg-type]
+    sem.broken.add("bad")
+    sem.gates["first"] = threading.Event()
+    dispatcher.start()
+    try:
+        send(dispatcher, "first", 0)
+        wait_for(lambda: ("round", "first", 1) in sem.calls)
+        for n, key in enumerate(["good", "bad", "other"], start=1):
+            send(dispatcher, key, n)
+        time.sleep(0.1)
+        sem.gates["first"].set()
+        wait_for(lambda: len(pub.sent) == 4)
+    finally:
+        dispatcher.stop(timeout=5)
+    assert sem.batches[-1] == ["good", "bad", "other"]
+    answers = {c: b for _, c, b, _ in pub.sent}
+    assert answers["c2"]["error"]["code"] == "unavailable"
+    assert answers["c1"]["n"] == 1 and answers["c3"]["n"] == 3
+
+
+def test_due_rounds_waiting_for_busy_threads_make_it_say_it_is_overloaded(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(dispatcher_module, "OVERLOAD_LAG", 0.1)
+    sem, pub = FakeSemaphore(), FakePublisher()
+    dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
+                            round_threads=1, scan_interval=100.0)  # type: ignore[arg-type]
+    sem.gates["first"] = threading.Event()
+    dispatcher.start()
+    try:
+        send(dispatcher, "first", 0)
+        wait_for(lambda: ("round", "first", 1) in sem.calls)
+        assert not dispatcher.overloaded
+        with caplog.at_level("WARNING", logger="durability_celery.holder"):
+            send(dispatcher, "next", 1)  # due, and no thread to run it
+            wait_for(lambda: dispatcher.overloaded)
+            send(dispatcher, "more", 2)
+            time.sleep(0.05)
+        assert caplog.text.count("overloaded") == 1  # logged once, not per pass
+        sem.gates["first"].set()
+        wait_for(lambda: len(pub.sent) == 3)
+        wait_for(lambda: not dispatcher.overloaded)
+    finally:
+        dispatcher.stop(timeout=5)
