@@ -40,7 +40,7 @@ def run_overhead(plan: Plan, database: str) -> list[dict[str, Any]]:
                                          passage=n)
         if plan.raised_hold_keys:
             # Many keys on grants alone wait a round per held batch: this run shows what
-            # a larger hold (README, max_held) changes there.
+            # a larger hold (docs/configuration.md, max_held) changes there.
             held = plan.raised_hold * plan.overhead_concurrency
             config = suite_config(database, SEMAPHORES, max_held=held)
             with running(config, clients=1, pool=pool, concurrency=plan.overhead_concurrency,

@@ -1,5 +1,5 @@
 # The ready Celery app for all three roles, configured from environment
-# variables (see worker_config/env.py and the README's configuration reference):
+# variables (see worker_config/env.py and docs/configuration.md):
 #   celery -A worker_config worker                        # client worker
 #   celery -A worker_config worker --durability-holder    # holder worker
 #   celery -A worker_config beat                          # beat (reclaim safety net)

@@ -207,7 +207,7 @@ def _convert(name: str, raw: str, annotation: str) -> object:
 
 
 def parse_semaphores(raw: str) -> tuple[SemaphoreSpec, ...]:
-    """`accounts=10,exports=3` (a limit per key), or a JSON object (see README)."""
+    """`accounts=10,exports=3` (a limit per key), or a JSON object (see docs/configuration.md)."""
     text = raw.strip()
     if not text:
         return ()

@@ -57,7 +57,7 @@ def test_limits_hold_across_workers(cluster_factory: Callable[..., Cluster], cas
     # fail there about one run in three: plain tasks wait behind a chain of admitted
     # ones (the next admitted task starts before the loop reads the plain message),
     # and usage stays up while a lease with undrawn permits sits idle until its ttl
-    # (fewer draws, so leases are rarely used up). Both are open; see README.
+    # (fewer draws, so leases are rarely used up). Both are open; see docs/handoff-and-leases.md.
     handoff = {"handoff_window": 0.0} if pool == "solo" else {}
     cluster = cluster_factory(limits=limits, group_limits=GROUP_LIMITS, leases=leases,
                               settings={"max_held": 40}, **handoff)
