@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InfrastructureError
+from ..errors import InfrastructureError, SchemaMissing
 from .batching import Batcher, KeyId, Reclaim, Round, Waiting, asked_groups
 from .queues import error_reply
 from .replies import ReplyPublisher
@@ -382,7 +382,10 @@ def _blocked(job: Round, responses: list[dict[str, Any]] | None,
 
 
 def _log_failure(what: str, key_id: KeyId, exc: Exception) -> None:
-    if isinstance(exc, InfrastructureError) or _is_database_error(exc):
+    if isinstance(exc, SchemaMissing):
+        logger.error("durability holder: %s for %s/%s failed: %s", what, key_id[0], key_id[1],
+                     exc)
+    elif isinstance(exc, InfrastructureError) or _is_database_error(exc):
         logger.error("durability holder: %s for %s/%s failed, database unavailable: %r",
                      what, key_id[0], key_id[1], exc)
     else:
