@@ -220,15 +220,22 @@ def test_an_unacknowledged_lease_arms_the_alarm_for_its_drop(rig: Any, answer: s
         assert ("reclaim", "k", 0) not in sem.calls
 
 
-def test_due_keys_gather_into_one_batch_while_the_threads_are_busy() -> None:
+def _one_thread_busy_with_first() -> tuple[Any, Any, Dispatcher]:
+    """A started dispatcher with one round thread, busy with key `first` until
+    `sem.gates["first"]` is set: rounds due meanwhile wait for it."""
     sem, pub = FakeSemaphore(), FakePublisher()
     dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
                             round_threads=1, scan_interval=100.0)  # type: ignore[arg-type]
     sem.gates["first"] = threading.Event()
     dispatcher.start()
+    send(dispatcher, "first", 0)
+    wait_for(lambda: ("round", "first", 1) in sem.calls)
+    return sem, pub, dispatcher
+
+
+def test_due_keys_gather_into_one_batch_while_the_threads_are_busy() -> None:
+    sem, pub, dispatcher = _one_thread_busy_with_first()
     try:
-        send(dispatcher, "first", 0)
-        wait_for(lambda: ("round", "first", 1) in sem.calls)
         for n in range(1, 6):  # due while the only round thread is busy
             send(dispatcher, f"k{n}", n)
         time.sleep(0.1)
@@ -241,15 +248,9 @@ def test_due_keys_gather_into_one_batch_while_the_threads_are_busy() -> None:
 
 
 def test_a_key_that_fails_alone_leaves_its_batch_answered() -> None:
-    sem, pub = FakeSemaphore(), FakePublisher()
-    dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
-                            round_threads=1, scan_interval=100.0)  # type: ignore[arg-type]
+    sem, pub, dispatcher = _one_thread_busy_with_first()
     sem.broken.add("bad")
-    sem.gates["first"] = threading.Event()
-    dispatcher.start()
     try:
-        send(dispatcher, "first", 0)
-        wait_for(lambda: ("round", "first", 1) in sem.calls)
         for n, key in enumerate(["good", "bad", "other"], start=1):
             send(dispatcher, key, n)
         time.sleep(0.1)
@@ -266,14 +267,8 @@ def test_a_key_that_fails_alone_leaves_its_batch_answered() -> None:
 def test_due_rounds_waiting_for_busy_threads_make_it_say_it_is_overloaded(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(dispatcher_module, "OVERLOAD_LAG", 0.1)
-    sem, pub = FakeSemaphore(), FakePublisher()
-    dispatcher = Dispatcher(semaphores={"s": sem}, serves=lambda s, k: True, publisher=pub,
-                            round_threads=1, scan_interval=100.0)  # type: ignore[arg-type]
-    sem.gates["first"] = threading.Event()
-    dispatcher.start()
+    sem, pub, dispatcher = _one_thread_busy_with_first()
     try:
-        send(dispatcher, "first", 0)
-        wait_for(lambda: ("round", "first", 1) in sem.calls)
         assert not dispatcher.overloaded
         with caplog.at_level("WARNING", logger="durability_celery.holder"):
             send(dispatcher, "next", 1)  # due, and no thread to run it
