@@ -135,8 +135,9 @@ class SemaphoreClient:
         grants, or a queued item left (see return_unused)."""
         self.free_slots: Callable[[], int] | None = None
         """The pool's free slots now, shared by every key (None: unknown). With it, a key
-        asks for no more than those, whatever its own items hold: permits a busy pool
-        cannot start on would sit here while other workers' items of the key wait."""
+        asks for no more than those and the soon-free ones (_room), whatever its own
+        items hold: permits a busy pool cannot start on would sit here while other
+        workers' items of the key wait."""
 
     @property
     def capacity(self) -> int | None:
@@ -292,7 +293,8 @@ class SemaphoreClient:
         return count
 
     def room_changed(self) -> None:
-        """Pool slots came free: keys with queued items may ask again (see free_slots)."""
+        """Pool slots came free, or running items changed: keys with queued items may ask
+        again (see _room)."""
         for key in self._queues:
             self._quiet.pop(key, None)
 
@@ -677,8 +679,8 @@ class SemaphoreClient:
 
     def _room(self, key: str) -> int | None:
         """How many more items of `key` the pool has room for: its free slots (shared by
-        every key), else `capacity` less the key's running items. None: no bound (no
-        capacity known, or no handoff)."""
+        every key) and the soon-free ones (_soon_free), else `capacity` less the key's
+        running items. None: no bound (no capacity known, or no handoff)."""
         if self._capacity is None or not self.handoff_window:
             return None
         if self.free_slots is not None:

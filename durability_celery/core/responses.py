@@ -91,7 +91,7 @@ def respond(
 ) -> dict[str, Any]:
     # Demand left unmet may ask again at once: the holder holds it until capacity comes
     # back or the next period, so it is there when a permit is returned.
-    waits = allocation.contended and bool(index.blocked.get(request.client_id))
+    waits = bool(index.blocked.get(request.client_id))
     return {
         "v": VERSION, "semaphore": state.semaphore, "key": state.key,
         "round_at": now, "next_request_at": now if waits else now + config.round_period,

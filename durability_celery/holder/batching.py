@@ -26,19 +26,15 @@ ALARM_MIN_DELAY = 0.1
 GATHER = 0.1
 """Seconds a round waits past last round + round_period (at most round_wait).
 
-Every reply says `next_request_at` = its round + round_period, so a contended
-key's clients all ask at that instant. A request that waited since earlier (a
-report, a new client) would otherwise start the round at that very instant,
-and the requests sent on time, a few milliseconds later, would miss it and
-wait a whole period: measured, that made permits released by one worker reach
-another's queued work one period late."""
+Parked requests wait for the period's end, and clients told `round_at + round_period`
+ask at that instant: a round started at the instant itself would miss the requests
+sent on time by a few milliseconds, and they would wait a whole period more."""
 
 
 PROMPT = 0.02
-"""Seconds a prompt round waits to coalesce: the round of a free key after its first
-waiting request, and a contended key's round after a request that brings capacity
-back. Also the closest two rounds of one key ever run, so a chatty client cannot
-make its key's rounds a hot loop."""
+"""Seconds a round waits to coalesce after a request that brings capacity back. Also the
+closest two rounds of one key ever run, so a chatty client cannot make its key's rounds
+a hot loop."""
 FREE_GATHER = 0.002
 """A free key's round waits this long after its first waiting request: enough to take
 the requests sent together with it, short enough that a key whose budget covers its

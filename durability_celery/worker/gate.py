@@ -364,7 +364,8 @@ class Gate:
                         "--durability-holder)?", name, key, error, sum(groups.values()))
 
     def _return_unused(self) -> bool:
-        """Grant permits an admission left unclaimed go back at once (return_unused)."""
+        """Grant permits an admission left unclaimed beyond what the pool can start soon
+        go back at once (SemaphoreClient.return_unused); True if any did."""
         returned = False
         for client in self.clients.values():
             returned = client.return_unused() or returned
