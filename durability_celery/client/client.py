@@ -30,6 +30,9 @@ _UNTIL = itemgetter(0)  # kept idle permits, (until, permit), sort by until
 _DEADLINE = attrgetter("claim_deadline")
 KEEP_AT_LEAST = 1.0
 """Seconds before its claim margin a grant permit kept for a soon-free slot goes back."""
+SOON_FREE_WAIT = 0.5
+"""Seconds a grant permit is kept for a slot that has not come free yet: a task that runs
+longer is not "soon", and another worker with a free slot may be waiting for the permit."""
 
 
 class Permit(NamedTuple):
@@ -131,6 +134,9 @@ class SemaphoreClient:
         """(key, group) -> permits whose item ended with nothing queued to pass them to,
         kept until a local time for the next item of that key and group (see pass_on)."""
         self._unused: set[str] = set()
+        self._not_soon: set[str] = set()
+        """Keys that gave back permits kept for soon-free slots that stayed busy: they count
+        no soon-free slot until an admitted item ends, so they do not ask again at once."""
         """Keys that may hold grant permits no queued item here will claim: a reply brought
         grants, or a queued item left (see return_unused)."""
         self.free_slots: Callable[[], int] | None = None
@@ -250,19 +256,26 @@ class SemaphoreClient:
             ledger = self._ledgers.get(key)
             if ledger is None or not ledger.open_grants:
                 continue
-            budget = self._room(key)
-            left = math.inf if budget is None else max(0, budget)
+            room = self._room(key)
+            left = math.inf if room is None else max(0, room)
+            # Permits older than SOON_FREE_WAIT are kept only for slots free now.
+            left_free = (left if room is None or self.free_slots is None
+                         else min(left, max(0, self.free_slots())))
             queues = self._queues.get(key, {})
             wanted = {group: len(queue) for group, queue in queues.items()}
             for grant in sorted(ledger.open_grants.values(), key=_DEADLINE, reverse=True):
                 spare = grant.claimable(now, self.claim_margin)
-                if grant.claim_deadline - self.claim_margin - now < KEEP_AT_LEAST:
-                    keep = 0
-                else:
-                    keep = int(min(spare, wanted.get(grant.group, 0), left))
+                want = min(spare, wanted.get(grant.group, 0))
+                keep = 0
+                if grant.claim_deadline - self.claim_margin - now >= KEEP_AT_LEAST:
+                    aged = now - grant.received_at >= SOON_FREE_WAIT
+                    keep = int(min(want, left_free if aged else left))
+                    if aged and keep < min(want, left):
+                        self._not_soon.add(key)
                 if keep:
                     wanted[grant.group] -= keep
                     left -= keep
+                    left_free = max(0, left_free - keep)
                     keep_looking.add(key)
                 if spare > keep:
                     grant.claimed += spare - keep
@@ -279,7 +292,7 @@ class SemaphoreClient:
         they end: nothing of their own key and group is queued, or only younger items
         (see _older_elsewhere)."""
         queues = self._queues.get(key)
-        if not queues or not self._admitted:
+        if not queues or not self._admitted or key in self._not_soon:
             return 0
         oldest = min(queue[0] for queue in queues.values())
         count = 0
@@ -391,6 +404,7 @@ class SemaphoreClient:
         permit = self._admitted.pop(item_id, None)
         if permit is None:
             return None
+        self._not_soon.clear()  # a slot comes free: soon-free slots count again
         key = permit.key
         now = self._clock()
         usable_until = self._pass_on_until(permit, now)
@@ -513,6 +527,7 @@ class SemaphoreClient:
         permit = self._admitted.pop(item_id, None)
         if permit is None:
             return False
+        self._not_soon.clear()  # a slot comes free: soon-free slots count again
         self._give_back(permit)
         return True
 

@@ -52,6 +52,8 @@ class GrantCopy:
     late_deadline: float | None = None
     """Local time the holder drops the late lease it adopted unless a later report of it
     arrives (see LeaseCopy.acknowledged); None once one did."""
+    received_at: float = 0.0
+    """Local time the client first saw it (how long an unclaimed permit has waited)."""
 
     def claimable(self, now: float, margin: float) -> int:
         if self.expired or self.claim_deadline - margin <= now:
@@ -300,7 +302,7 @@ class KeyLedger:
             # (we forget a grant only when all its claims are released), so its
             # claims are reported released: the holder must not count them forever.
             copy = GrantCopy(view.grant_id, view.group, view.permits, deadline,
-                             claimed=view.claimed, released=view.claimed)
+                             claimed=view.claimed, released=view.claimed, received_at=now)
             self.grants[view.grant_id] = self.open_grants[view.grant_id] = copy
         copy.claim_deadline = min(copy.claim_deadline, deadline)
         copy.acked_claimed = max(copy.acked_claimed, view.claimed)

@@ -11,10 +11,11 @@ import threading
 
 import pytest
 
+from durability_celery.client.client import SOON_FREE_WAIT
 from durability_celery.worker.gate import Gate, item_id
 
 from .gate_fakes import FakeRequest, Loop
-from .helpers import SEM, FakeClock, lease, make_client, reply
+from .helpers import SEM, FakeClock, demand, grant, grant_reports, lease, make_client, reply
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -139,6 +140,34 @@ def test_a_slot_that_frees_soon_is_asked_for_by_another_keys_request() -> None:
     assert message.key == "acct-2"
     first.on_success(None)  # from a pool thread: the slot is free now
     assert loop.take_wakes() == [False]
+
+
+def test_a_permit_kept_for_a_slot_that_stays_busy_goes_back_and_is_not_asked_again(
+) -> None:
+    # The soon-free slot's task runs on: after SOON_FREE_WAIT the permit goes back (another
+    # worker with a free slot may wait for it), and acct-2 asks again only once a slot frees.
+    gate, _, first = leased_gate(pool=1)
+    clock = gate.clock
+    other = FakeRequest(key="acct-2")
+    gate.submit(other)
+    (message,) = gate.pump()
+    deadline = clock.now + 30.0
+    assert gate.on_reply(message.correlation_id, reply(
+        clock.now, key="acct-2", grants=[grant("G1", claim_deadline=deadline)]))
+    assert gate.pump() == [] and len(gate.state.held) == 1  # kept: the slot may free soon
+    clock.advance(SOON_FREE_WAIT)
+    (given_back,) = gate.pump()
+    assert given_back.key == "acct-2" and grant_reports(given_back.body) == {"G1": (1, 1)}
+    assert demand(given_back.body) == {}
+    assert gate.on_reply(given_back.correlation_id, reply(
+        clock.now, key="acct-2", grants=[grant("G1", claimed=1, released=1,
+                                                claim_deadline=deadline)]))
+    clock.advance(1.0)
+    assert [m for m in gate.pump() if demand(m.body)] == []  # no churn while the slot is busy
+    first.on_success(None)
+    gate.loop_thread = threading.get_ident()
+    (asked,) = gate.pump()
+    assert asked.key == "acct-2" and demand(asked.body)[None][0] == 1
 
 
 def test_a_contended_key_sends_its_news_at_once() -> None:

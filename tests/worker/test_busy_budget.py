@@ -48,3 +48,35 @@ def test_a_contended_key_drains_and_reads_free_long_before_grant_timeout(
     assert time.monotonic() - ended < ROUND_WAIT, "permits stayed out after the work"
     assert cluster.max_running("hot") == 2
     assert {cluster.starts()[i] for i in ids} == {1}
+
+
+def test_a_grant_stranded_on_a_busy_worker_goes_to_a_worker_with_a_free_slot(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    # Worker A's one slot runs a long task of another key when a `hot` task reaches it: A
+    # asks for the slot it expects to free soon and gets `hot`'s one permit. When a `hot`
+    # task then reaches worker B, whose slot is free, the permit must not wait on A's
+    # slot (nor for its claim deadline): A gives it back and B runs its task meanwhile.
+    cluster = cluster_factory(limits={"hot": 1, "slow": 1}, round_wait=ROUND_WAIT,
+                              round_period=6.0, grant_timeout=GRANT_TIMEOUT)
+    queue_a, queue_b = (f"{cluster.config['task_queue']}.{n}" for n in ("a", "b"))
+    cluster.start(clients=1, concurrency=1, extra=("-Q", queue_a))
+    cluster.start(holder=False, clients=1, concurrency=1, extra=("-Q", queue_b))
+
+    def publish(key: str, work: float, queue: str) -> str:
+        kwargs = {"account": key, "group": None, "work": work}
+        return str(cluster.admitted.apply_async(kwargs=kwargs, queue=queue).id)
+
+    slow = publish("slow", 12.0, queue_a)
+    cluster.wait_for("the long task to start", lambda: slow in cluster.starts(), timeout=20)
+    stranded = publish("hot", 0.1, queue_a)
+    cluster.wait_for("worker A to hold hot's permit",
+                     lambda: cluster.semaphore.usage("hot").outstanding == 1, timeout=20,
+                     context=lambda: str(cluster.inspect_held()))
+    served = publish("hot", 0.1, queue_b)
+    cluster.wait_for("worker B to run its hot task", lambda: served in cluster.ends(),
+                     timeout=8, context=lambda: str(cluster.inspect_held()))
+    assert slow not in cluster.ends(), "B's task waited for A's slot"
+    assert stranded not in cluster.starts()
+    cluster.wait_for("every task to end", lambda: {slow, stranded} <= set(cluster.ends()),
+                     timeout=30, context=lambda: str(cluster.inspect_held()))
+    assert cluster.max_running("hot") == 1
