@@ -84,8 +84,8 @@ class Hooks:
 class _InFlight:
     correlation_id: str
     sent_at: float
-    superseded: str | None = None
-    """The correlation id of the older message this one superseded, still answered."""
+    older: tuple[str, ...] = ()
+    """Correlation ids of the older messages this one superseded, still answered."""
 
 
 @dataclass
@@ -551,10 +551,10 @@ class Gate:
                 # SemaphoreClient.supersede_after); a late reply to any older one is
                 # dropped: the next reply lists every grant and lease anyway.
                 previous = self.state.in_flight.get((name, key))
-                superseded = None
+                older: tuple[str, ...] = ()
                 if previous is not None and client.superseding(key):
-                    superseded = previous.superseded or previous.correlation_id
-                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now, superseded)
+                    older = (*previous.older, previous.correlation_id)
+                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now, older)
                 out.append(Outgoing(name, key, correlation_id, body))
         return out
 
@@ -571,15 +571,16 @@ class Gate:
         with self.lock:
             self.settle_ended()  # the reply then meets the client as it stands
             match = next((sk for sk, f in self.state.in_flight.items()
-                          if correlation_id in (f.correlation_id, f.superseded)), None)
+                          if correlation_id == f.correlation_id
+                          or correlation_id in f.older), None)
             if match is None:
                 return False
             semaphore, key = match
             client = self.clients[semaphore]
             waiting = self.state.in_flight[match]
-            superseded = correlation_id == waiting.superseded
+            superseded = correlation_id != waiting.correlation_id
             if superseded:
-                waiting.superseded = None
+                waiting.older = tuple(c for c in waiting.older if c != correlation_id)
             else:
                 del self.state.in_flight[match]
             if isinstance(body, dict):
