@@ -223,9 +223,10 @@ class KeyLedger:
                 + sum(le.drawn + le.released + le.stopped for le in self.leases.values()))
 
     def released_total(self) -> int:
-        """Release marks of grants and leases, summed: it grows as capacity comes back."""
+        """Release marks of grants and leases and stopped leases (their undrawn permits go
+        back), summed: it grows as capacity comes back."""
         return (sum(g.released for g in self.grants.values())
-                + sum(le.released for le in self.leases.values()))
+                + sum(le.released + le.stopped for le in self.leases.values()))
 
     def _nothing_in_use(self) -> bool:
         """No grant permit of the key in use here (a key with leases keeps its cadence:
