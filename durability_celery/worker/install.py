@@ -17,6 +17,7 @@ from kombu.messaging import Consumer, Producer
 from ..app import Durability
 from ..errors import DurabilityError
 from . import visibility  # noqa: F401  (registers the durability_held inspect command)
+from .metrics_step import MetricsStep, add_worker_options
 from .step import GateStep
 from .task import HEADER_SEMAPHORE, AdmittedTask, check_at_decoration
 
@@ -34,6 +35,8 @@ def install(durability: Durability) -> None:
     app = durability.app
     step = type("GateStep", (GateStep,), {"durability": durability, "__module__": __name__})
     app.steps["consumer"].add(step)
+    app.steps["worker"].add(MetricsStep)
+    add_worker_options(app)
     _apps.add(app)
     check_at_decoration(app)
     signals.before_task_publish.connect(_stamp_headers, weak=False,
