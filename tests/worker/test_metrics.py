@@ -51,9 +51,13 @@ def label_sets(samples: Samples, name: str) -> set[frozenset[str]]:
     return {frozenset(found) for sample, found, _ in samples if sample == name}
 
 
-def run_two_keys(cluster: Cluster, n: int) -> list[str]:
-    ids = (cluster.publish(n // 2, key="k1", work=0.05)
-           + cluster.publish(n - n // 2, key="k2", work=0.05))
+def run_two_keys(cluster: Cluster, n: int, *,
+                 busy: Callable[[], bool] | None = None) -> list[str]:
+    """Run n tasks over keys k1 and k2; `busy`, if given, must turn true while they run."""
+    ids = (cluster.publish(n // 2, key="k1", work=0.1)
+           + cluster.publish(n - n // 2, key="k2", work=0.1))
+    if busy is not None:
+        cluster.wait_for("the workers to hold and run tasks", busy, timeout=10)
     for key in ("k1", "k2"):
         cluster.drained(ids, key, timeout=40)
     return ids
@@ -89,8 +93,14 @@ def test_scraped_series_after_load(cluster_factory: Callable[..., Cluster]) -> N
                                  holder_extra=(FLAG, str(holder_port)))
     cluster.start(holder=False, clients=1, pool="threads", extra=(FLAG, str(threads_port)))
     n = 24
-    run_two_keys(cluster, n)
     clients = (prefork_port, threads_port)
+
+    def busy() -> bool:
+        scraped = [scrape(port) for port in clients]
+        return sum(total(s, "durability_worker_running_tasks") for s in scraped) > 0 and sum(
+            total(s, "durability_worker_held_tasks") for s in scraped) > 0
+
+    run_two_keys(cluster, n, busy=busy)
 
     def settled() -> bool:
         scraped = [scrape(port) for port in clients]
