@@ -233,4 +233,5 @@ def _close_in_child() -> None:
     _SERVERS.clear()
 
 
-os.register_at_fork(after_in_child=_close_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX only; elsewhere nothing forks a worker's pool
+    os.register_at_fork(after_in_child=_close_in_child)
