@@ -1,4 +1,5 @@
 # Wires the client side into a Celery app: the gate bootstep for workers, the
+# metrics bootstep and its option (for holder and client workers alike), the
 # before_task_publish hook that stamps key, group and enqueue time on admitted
 # task messages, and the final report on warm shutdown. Rule: each hook is a
 # few lines that turn one Celery event into one call on the gate or task.
