@@ -15,12 +15,15 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InfrastructureError, SchemaMissing
 from .batching import Batcher, KeyId, Reclaim, Round, Waiting, asked_groups
 from .queues import error_reply
 from .replies import ReplyPublisher
+
+if TYPE_CHECKING:
+    from ..metrics import HolderMetrics
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -91,8 +94,10 @@ class Dispatcher(threading.Thread):
         round_threads: int,
         scan_interval: float,
         clock: Callable[[], float] = time.time,
+        metrics: HolderMetrics | None = None,
     ) -> None:
         super().__init__(name="durability-holder-dispatcher", daemon=True)
+        self._metrics = metrics
         self._semaphores = semaphores
         self._serves = serves
         self._publisher = publisher
@@ -238,6 +243,8 @@ class Dispatcher(threading.Thread):
         wake = self._batcher.next_wake()  # may be stale, never later than the first due job
         lag = 0.0 if wake is None else now - wake
         self.overloaded = lag > OVERLOAD_LAG
+        if self._metrics is not None:
+            self._metrics.load(lag, self._batcher.waiting_count(), self.overloaded)
         if self.overloaded and now >= self._next_overload_log:
             self._next_overload_log = now + OVERLOAD_LOG_EVERY
             logger.warning(

@@ -51,6 +51,24 @@ def describe(gate: Gate) -> dict[str, Any]:
                 "keys": rows}
 
 
+def occupancy(gate: Gate) -> Callable[[], list[tuple[str, str, int, int]]]:
+    """(semaphore, key, held, running) of each key the gate holds or runs tasks of, for
+    the metrics' gauges. Read under the lock, from the metrics server's thread: tasks
+    ended in pool threads count as running until the event loop releases them (at its
+    next pump)."""
+    def read() -> list[tuple[str, str, int, int]]:
+        rows = []
+        with gate.lock:
+            for name, client in gate.clients.items():
+                held, running = client.held(), client.running()
+                for key in set(held) | set(running):
+                    rows.append((name, key, sum(held.get(key, {}).values()),
+                                 sum(running.get(key, {}).values())))
+        return rows
+
+    return read
+
+
 def log_summary(gate: Gate) -> None:
     """One log line per waiting (semaphore, key, group), while anything is held."""
     summary = describe(gate)
