@@ -150,9 +150,9 @@ def render(found: dict[str, Any]) -> str:
     """The short human-readable block."""
     task, worker = found["task_id"], found["worker"]
     if found["state"] == "running":
-        return (f"task {task}: running on {worker} for {found['running_for']:g} s, on a "
-                f"{found['source']} permit of {found['semaphore']} / {found['key']}, "
-                f"group {_group(found['group'])}")
+        group = "no group" if found["group"] is None else f"group {found['group']}"
+        return (f"task {task}: running on {worker} for {found['running_for']:.1f} s, on a "
+                f"{found['source']} permit of {found['semaphore']} / {found['key']}, {group}")
     if found["state"] != "held":
         return (f"task {task}: {found['state']} on {worker} outside the gate "
                 f"(not an admitted task: {found['task']})")
@@ -163,10 +163,10 @@ def render(found: dict[str, Any]) -> str:
     ahead_of = found["ahead"]
     nxt = found["next_round_in"]
     when = ("no round yet" if nxt is None else "due: the next request starts it" if nxt == 0
-            else f"in {nxt:g} s at the latest (sooner when a permit comes back)")
+            else f"in {nxt:.1f} s at the latest (sooner when a permit comes back)")
     return "\n".join([
-        f"task {task}: held by {worker} for {found['held_for']:g} s "
-        f"({found['waited']:g} s since published)",
+        f"task {task}: held by {worker} for {found['held_for']:.1f} s "
+        f"({found['waited']:.1f} s since published)",
         f"  semaphore   {found['semaphore']}",
         f"  key         {found['key']}: {found['in_use']} in use of limit {limit} "
         f"({found['grants']} grant(s), {found['leases']} lease(s))",
