@@ -44,7 +44,7 @@ class Deployment:
             replies = self.app.control.broadcast(
                 command, arguments=arguments or {}, reply=True, timeout=self.timeout,
                 limit=expect)
-        except Exception as exc:
+        except self._broker_errors() as exc:
             raise ConfigurationError(f"broker unreachable ({self.broker()}): {exc}") from None
         answers: dict[str, dict[str, Any]] = {}
         for reply in replies or []:
@@ -59,12 +59,19 @@ class Deployment:
 
         return str(maybe_sanitize_url(self.app.conf.broker_url or "amqp://"))
 
+    def _broker_errors(self) -> tuple[type[BaseException], ...]:
+        """What a lost broker raises: kombu's own errors and its transport's."""
+        from kombu.exceptions import OperationalError
+
+        with self.app.connection_for_write() as connection:
+            return (OperationalError, OSError, *connection.connection_errors)
+
     def check_broker(self) -> None:
         """Fail at once, with one line, when the broker cannot be reached."""
         try:
             with self.app.connection_for_write() as connection:
                 connection.ensure_connection(max_retries=1, timeout=5)
-        except Exception as exc:
+        except self._broker_errors() as exc:
             raise ConfigurationError(f"broker unreachable ({self.broker()}): {exc}") from None
 
     def usage(self, semaphore: str, key: str) -> Usage:
