@@ -58,7 +58,7 @@ holder_app = importlib.import_module("holder_app")
 
 from benchmarks.cluster import stop_process  # noqa: E402
 from durability_celery.core.messages import DemandEntry, GrantReport, Request  # noqa: E402
-from durability_celery.holder.queues import (  # noqa: E402
+from durability_celery.queues import (  # noqa: E402
     holder_queue_declaration,
     reply_queue_declaration,
 )

@@ -1,22 +1,21 @@
 # Binds semaphores and settings to one Celery app. Built once, at import time of
 # the user's Celery module; it registers the holder step, the client gate and
-# the beat task on the app, and every role finds its configuration here.
+# the beat task on the app, and every role finds its configuration through
+# registry.py. Rule: the composition root; no module of the package imports it.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from .client import SemaphoreClient
 from .compat import check_versions
+from .core.config import gathering_moment
 from .errors import ConfigurationError
-from .holder.batching import gathering_moment
+from .registry import configuration_for, is_configured, register
 from .routing import control_queue, holder_queue, shard_for
 from .semaphore import DurabilitySemaphore
 from .settings import DurabilitySettings
-
-_REGISTRY: weakref.WeakKeyDictionary[Any, Durability] = weakref.WeakKeyDictionary()
 
 
 class Durability:
@@ -30,7 +29,7 @@ class Durability:
         settings: DurabilitySettings | None = None,
     ) -> None:
         check_versions()  # an unsupported celery or kombu stops start-up with one line
-        if app in _REGISTRY:
+        if is_configured(app):
             raise ConfigurationError("this Celery app already has a Durability configuration")
         self.app = app
         self.settings = settings if settings is not None else DurabilitySettings()
@@ -55,7 +54,7 @@ class Durability:
                     f"prune_after ({prune_after}s) must be at least the round_period of "
                     f"semaphore {semaphore.name!r} ({semaphore.config.round_period}s)")
             self.semaphores[semaphore.name] = semaphore
-        _REGISTRY[app] = self
+        register(app, self)
         self._install()
 
     def _install(self) -> None:
@@ -114,10 +113,4 @@ class Durability:
 
 def durability_for(app: Any) -> Durability:
     """The Durability configuration bound to `app` (ConfigurationError if none)."""
-    try:
-        return _REGISTRY[app]
-    except KeyError:
-        raise ConfigurationError(
-            "this Celery app has no Durability configuration: create "
-            "Durability(app, [semaphores...]) in the module that defines the app"
-        ) from None
+    return cast(Durability, configuration_for(app))  # only Durability registers

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import DurabilityError
 
 if TYPE_CHECKING:
-    from .app import Durability
+    from .registry import Configuration
     from .semaphore import DurabilitySemaphore
 
 RECLAIM_TASK = "durability_celery.reclaim"
@@ -77,7 +77,7 @@ def prune_idle(semaphores: Iterable[DurabilitySemaphore], idle_for: float) -> di
     return pruned
 
 
-def beat_schedule(durability: Durability) -> dict[str, dict[str, Any]]:
+def beat_schedule(durability: Configuration) -> dict[str, dict[str, Any]]:
     """The beat entries, for users who manage `beat_schedule` themselves (install adds them)."""
     settings = durability.settings
     entries = {
@@ -100,7 +100,7 @@ def beat_schedule(durability: Durability) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def _options(durability: Durability, interval: float) -> dict[str, Any]:
+def _options(durability: Configuration, interval: float) -> dict[str, Any]:
     # Routed to the control queue, which holder workers consume; expires so a
     # beat that runs while no holder is up does not leave a backlog to replay.
     return {
@@ -110,7 +110,7 @@ def _options(durability: Durability, interval: float) -> dict[str, Any]:
     }
 
 
-def install(durability: Durability) -> None:
+def install(durability: Configuration) -> None:
     """Register the reclaim task on the app and schedule it every `reclaim_interval`; with
     `prune_after` set, the prune task every `prune_interval` too."""
     app = durability.app
@@ -140,7 +140,7 @@ def install(durability: Durability) -> None:
     _dispose_engines_after_fork(durability)
 
 
-def _dispose_engines_after_fork(durability: Durability) -> None:
+def _dispose_engines_after_fork(durability: Configuration) -> None:
     """A prefork child must not reuse the parent's pooled database connections."""
     from celery.signals import worker_process_init
 

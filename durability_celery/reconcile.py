@@ -16,7 +16,7 @@ from .core.clients import Forgotten
 from .errors import ConfigurationError, DurabilityError
 
 if TYPE_CHECKING:
-    from .app import Durability
+    from .registry import Configuration
 
 RECONCILE_TASK = "durability_celery.reconcile"
 SCHEDULE_NAME = "durability_celery.reconcile"
@@ -68,7 +68,7 @@ def ask_nodes(app: Any, nodes: Iterable[str], *, timeout: float = ASK_TIMEOUT,
     return answers
 
 
-def reconcile(durability: Durability, *,
+def reconcile(durability: Configuration, *,
               ask: Callable[[Iterable[str]], Answers] | None = None) -> list[Forgotten]:
     """One pass over every semaphore: settle silent clients confirmed gone."""
     silent_for = durability.settings.reconcile_after
@@ -110,7 +110,7 @@ def _forget(sem: Any, client_id: str, keys: list[str], silent_for: float) -> lis
     return done
 
 
-def install(durability: Durability) -> None:
+def install(durability: Configuration) -> None:
     """Schedule reconciliation on the control queue when `reconcile_after` is set."""
     settings = durability.settings
     if settings.reconcile_after is None:

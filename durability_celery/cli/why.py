@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.config import gathering_moment
 from ..errors import CallerError, ConfigurationError
-from ..holder.batching import gathering_moment
 from .deployment import Deployment, deployment_of
 
 EXPLAIN = {

@@ -16,7 +16,8 @@ from typing import Any
 from kombu.messaging import Consumer
 
 from ..errors import InfrastructureError, RequestTimeout
-from ..holder.queues import holder_queue_declaration, reply_queue_declaration, safe_queue_part
+from ..queues import holder_queue_declaration, reply_queue_declaration, safe_queue_part
+from ..registry import configuration_of
 from ..routing import reply_queue
 from .client import Permit
 
@@ -33,10 +34,7 @@ class BlockingClient:
     def __init__(self, app_or_durability: Any, semaphore_name: str, *,
                  client_id: str | None = None, timeout: float = 10.0,
                  clock: Callable[[], float] = time.time) -> None:
-        from ..app import Durability, durability_for
-
-        durability = (app_or_durability if isinstance(app_or_durability, Durability)
-                      else durability_for(app_or_durability))
+        durability = configuration_of(app_or_durability)
         settings = durability.settings
         self._durability = durability
         self.semaphore = semaphore_name

@@ -111,7 +111,7 @@ class SemaphoreClient:
         """Ask this long before a reply's next_request_at (as the receipt of the reply
         places it). The holder holds a request that arrives after the key's last round
         and before its next one until that round, and gathers the requests its replies
-        told to ask for only a moment (batching.GATHER) past the period's end: one that
+        told to ask for only a moment (core.config.GATHER) past the period's end: one that
         arrives later waits a whole round_wait. Aimed at the moment itself, every delay
         on the way (the reply's, the pump's timer, the broker's) counted against that
         moment; aimed this much earlier, it has as much again in hand."""

@@ -133,6 +133,20 @@ class RoundConfig:
             raise ConfigurationError("leases must be None or a Leases(...) instance")
 
 
+GATHER = 0.1
+"""Seconds a round waits past last round + round_period (at most round_wait).
+
+Parked requests wait for the period's end, and clients told `round_at + round_period`
+ask at that instant: a round started at the instant itself would miss the requests
+sent on time by a few milliseconds, and they would wait a whole period more."""
+
+
+def gathering_moment(round_wait: float) -> float:
+    """GATHER, at most round_wait: how long past a period's end its round waits for the
+    requests told to come then (and how early clients aim: SemaphoreClient.ask_early)."""
+    return min(GATHER, round_wait)
+
+
 def validate_limit_value(name: str, value: object) -> int:
     """A resolved limit: a non-negative int within bounds (raises ConfigurationError)."""
     return _positive_int(name, value, minimum=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .queues import (
+from ..queues import (
     MAX_BODY_BYTES,
     error_reply,
     holder_queue_declaration,
@@ -15,7 +15,7 @@ from .queues import (
 )
 
 if TYPE_CHECKING:
-    from ..app import Durability
+    from ..registry import Configuration
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-def install(durability: Durability) -> None:
+def install(durability: Configuration) -> None:
     """Register the holder bootstep and its worker options on `durability.app`."""
     from .step import HolderStep, add_worker_options
 

@@ -17,19 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.config import gathering_moment
+
 KeyId = tuple[str, str]
 """(semaphore, key): what one holder state, one round timer and one alarm belong to."""
 
 ALARM_MIN_DELAY = 0.1
 """A deadline at or before `now` from a reclaim is retried this much later, never in a hot loop."""
-
-GATHER = 0.1
-"""Seconds a round waits past last round + round_period (at most round_wait).
-
-Parked requests wait for the period's end, and clients told `round_at + round_period`
-ask at that instant: a round started at the instant itself would miss the requests
-sent on time by a few milliseconds, and they would wait a whole period more."""
-
 
 PROMPT = 0.02
 """Seconds a round waits to coalesce after a request that brings capacity back. Also the
@@ -66,12 +60,6 @@ def asked_groups(body: dict[str, Any]) -> frozenset[str | None]:
     if not isinstance(demand, list):
         return frozenset()
     return frozenset(entry.get("group") for entry in demand if isinstance(entry, dict))
-
-
-def gathering_moment(round_wait: float) -> float:
-    """GATHER, at most round_wait: how long past a period's end its round waits for the
-    requests told to come then (and how early clients aim: SemaphoreClient.ask_early)."""
-    return min(GATHER, round_wait)
 
 
 def _told_at(last_round_at: float, round_wait: float, round_period: float) -> float:

@@ -15,9 +15,9 @@ from kombu.messaging import Consumer
 
 from ..core.messages import check_key
 from ..errors import InvalidMessage
+from ..queues import MAX_BODY_BYTES, holder_queue_declaration
 from .batching import Waiting
 from .dispatcher import Dispatcher
-from .queues import MAX_BODY_BYTES, holder_queue_declaration
 
 logger = logging.getLogger("durability_celery.holder")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InfrastructureError, SchemaMissing
+from ..queues import error_reply
 from .batching import Batcher, KeyId, Reclaim, Round, Waiting, asked_groups
-from .queues import error_reply
 from .replies import ReplyPublisher
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from .dispatcher import Dispatcher
 from .replies import ReplyPublisher
 
 if TYPE_CHECKING:
-    from ..app import Durability
     from ..metrics import HolderMetrics
+    from ..registry import Configuration
     from ..semaphore import DurabilitySemaphore
 
 logger = logging.getLogger("durability_celery.holder")
@@ -28,7 +28,7 @@ logger = logging.getLogger("durability_celery.holder")
 class Holder:
     """The holder role for `shards` (all shards when None) of one Durability configuration."""
 
-    def __init__(self, durability: Durability, *, shards: Iterable[int] | None = None,
+    def __init__(self, durability: Configuration, *, shards: Iterable[int] | None = None,
                  clock: Callable[[], float] = time.time,
                  metrics: HolderMetrics | None = None) -> None:
         settings = durability.settings

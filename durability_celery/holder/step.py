@@ -11,6 +11,7 @@ from celery import bootsteps
 
 from ..errors import ConfigurationError
 from ..metrics import served_by
+from ..registry import configuration_for
 from .service import Holder, parse_shards
 
 logger = logging.getLogger("durability_celery.holder")
@@ -29,9 +30,7 @@ class HolderStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is un
         self.shards: list[int] | None = None
         if self.enabled:
             # Checked while the worker is built, so a bad flag stops it at start-up.
-            from ..app import durability_for
-
-            self.durability = durability_for(parent.app)
+            self.durability = configuration_for(parent.app)
             try:
                 self.shards = parse_shards(durability_shards, self.durability.settings.shards)
             except ValueError as exc:

@@ -15,8 +15,8 @@ from celery import signals
 from kombu.exceptions import OperationalError
 from kombu.messaging import Consumer, Producer
 
-from ..app import Durability
 from ..errors import DurabilityError
+from ..registry import Configuration
 from . import visibility  # noqa: F401  (registers the durability_held inspect command)
 from .metrics_step import MetricsStep, add_worker_options
 from .step import GateStep
@@ -31,10 +31,12 @@ _apps: weakref.WeakSet[Any] = weakref.WeakSet()
 _steps: weakref.WeakSet[GateStep] = weakref.WeakSet()
 
 
-def install(durability: Durability) -> None:
+def install(durability: Configuration) -> None:
     """Add the gate to `durability.app`'s workers and the publish hook to its producers."""
     app = durability.app
-    step = type("GateStep", (GateStep,), {"durability": durability, "__module__": __name__})
+    step = type("GateStep", (GateStep,), {
+        "durability": durability, "register_step": staticmethod(register_step),
+        "__module__": __name__})
     app.steps["consumer"].add(step)
     app.steps["worker"].add(MetricsStep)
     add_worker_options(app)

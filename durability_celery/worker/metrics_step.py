@@ -13,6 +13,7 @@ import click
 from celery import bootsteps
 
 from ..metrics import Metrics
+from ..registry import configuration_for
 
 logger = logging.getLogger("durability_celery.worker")
 
@@ -31,9 +32,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is u
         parent.durability_metrics = None
         if durability_metrics_port is None:
             return
-        from ..app import durability_for
-
-        settings = durability_for(parent.app).settings
+        settings = configuration_for(parent.app).settings
         metrics = Metrics(key_labels=settings.metrics_key_labels)
         try:
             metrics.serve(durability_metrics_port)

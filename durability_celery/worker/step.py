@@ -11,6 +11,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps
@@ -19,10 +20,10 @@ from celery.worker import state as worker_state
 from kombu.common import ignore_errors
 from kombu.messaging import Consumer, Producer
 
-from ..app import Durability
 from ..client import SemaphoreClient
-from ..holder.queues import reply_queue_declaration, safe_queue_part
 from ..metrics import served_by
+from ..queues import reply_queue_declaration, safe_queue_part
+from ..registry import Configuration
 from ..routing import reply_queue
 from ..semaphore import DurabilitySemaphore
 from .gate import Gate, Hooks, Outgoing, item_id
@@ -120,7 +121,10 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     name = "durability_celery.gate"
     requires = ("celery.worker.consumer:Connection", "celery.worker.consumer.tasks:Tasks")
-    durability: Durability  # set on the subclass `install` makes
+    # Both set on the subclass `install` makes; `register_step` keeps this step for the
+    # final report at shutdown.
+    durability: Configuration
+    register_step: Callable[[GateStep], None]
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
@@ -166,9 +170,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         c.durability_gate = self.gate
         c.durability_step = self
         guard_connection_loss(c)
-        from .install import register_step  # install imports this module
-
-        register_step(self)
+        self.register_step(self)
 
     def _client(self, name: str, semaphore: DurabilitySemaphore) -> SemaphoreClient:
         config = semaphore.config

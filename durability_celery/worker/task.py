@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 from celery import Task
 from kombu.utils.imports import symbol_by_name
 
-from ..app import durability_for
 from ..core.messages import MAX_KEY_LENGTH
 from ..errors import CallerError, ConfigurationError
+from ..registry import configuration_for
 from .request import AdmittedRequest
 
 HEADER_SEMAPHORE = "durability_semaphore"
@@ -116,7 +116,7 @@ def build_admission(task_cls: type[AdmittedTask], app: Any) -> Admission:
     if not isinstance(task_cls.semaphore, str):
         raise ConfigurationError(f"task {name}: AdmittedTask needs semaphore='<name>'")
     try:
-        durability_for(app).semaphore(task_cls.semaphore)
+        configuration_for(app).semaphore(task_cls.semaphore)
     except ConfigurationError as exc:
         raise ConfigurationError(f"task {name}: {exc}") from None
     if task_cls.rate_limit:

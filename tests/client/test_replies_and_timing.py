@@ -11,8 +11,8 @@ from celery import Celery
 
 from durability_celery.app import Durability
 from durability_celery.client import SemaphoreClient
+from durability_celery.core.config import GATHER
 from durability_celery.errors import CallerError
-from durability_celery.holder.batching import GATHER
 from durability_celery.semaphore import DurabilitySemaphore
 
 from .helpers import (

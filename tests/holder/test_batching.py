@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from durability_celery.core.config import GATHER
 from durability_celery.holder.batching import (
     FREE_GATHER,
-    GATHER,
     PROMPT,
     Batcher,
     Reclaim,

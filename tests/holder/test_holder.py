@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from durability_celery.client.blocking import BlockingClient
-from durability_celery.holder.batching import GATHER
+from durability_celery.core.config import GATHER
 
 from .conftest import HolderRig
 
