@@ -22,6 +22,7 @@ import redis
 from benchmarks.app import CONFIG_ENV, make_app
 
 ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = ROOT / "benchmarks" / "results" / "logs"
 BROKER_URL = "redis://127.0.0.1:6379/14"
 LEDGER_URL = "redis://127.0.0.1:6379/15"
 PG_USER = os.environ.get("BENCH_PG_USER", "postgres")

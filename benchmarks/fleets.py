@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from benchmarks.cluster import Cluster, create_database, running, suite_config
+from benchmarks.cluster import LOG_DIR, Cluster, create_database, running, suite_config
 from benchmarks.measure import _busy, _settle
 from benchmarks.plan import DEFAULT
 from benchmarks.report import (
@@ -42,7 +42,6 @@ from benchmarks.report import (
     machine,
     machine_lines,
 )
-from benchmarks.worker_profile import LOG_DIR
 from durability_celery import DurabilitySemaphore
 
 SEED = 20

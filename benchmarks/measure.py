@@ -8,7 +8,6 @@ from __future__ import annotations
 import secrets
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 from benchmarks.cluster import Cluster
@@ -45,22 +44,17 @@ def _settle(cluster: Cluster, run: str, expected: int, cap: float) -> int:
 
 
 def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
-               keys: int, warm: int,
-               snapshot: Callable[[], Any] | None = None) -> dict[str, Any]:
+               keys: int, warm: int) -> dict[str, Any]:
     """No-op tasks spread over `keys` keys whose limit never binds: tasks per second.
 
     `warm` tasks per key go first, unmeasured: connections, and each key's first grants
-    or leases (Plan.overhead_warm says how many). `snapshot`, if given, is called where
-    the workers' CPU is read, once the warm tasks are done and once the measured ones
-    are, and the row's "snapshots" holds what it returned: a diagnostic's own reading
-    of the measured part only (benchmarks.thread_cpu)."""
+    or leases (Plan.overhead_warm says how many)."""
     run = f"tp-{variant}-{secrets.token_hex(3)}"
     accounts = [f"{FREE_LIMIT}:{run}:{k}" for k in range(keys)]
     with cluster.app.producer_or_acquire() as producer:
         for account in accounts:
             _publish(cluster, variant, run + "-warm", account, FREE_LIMIT, 0.0, warm, producer)
         _settle(cluster, run + "-warm", warm * keys, cap)
-        snapshots = [snapshot()] if snapshot is not None else []
         cpu_before = cluster.cpu()
         started = time.perf_counter()
         for i in range(tasks):
@@ -70,8 +64,6 @@ def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
         time.sleep(0.01)
     elapsed = time.perf_counter() - started
     cpu_after = cluster.cpu()
-    if snapshot is not None:
-        snapshots.append(snapshot())
     done = _settle(cluster, run, tasks, 0.0)
     # CPU per task tells where an overhead goes: on 2 cores every process competes,
     # and a threads worker runs its pool and its event loop under one GIL.
@@ -80,8 +72,7 @@ def throughput(cluster: Cluster, variant: str, *, tasks: int, cap: float,
     return {"variant": variant, "keys": keys, "tasks": tasks, "done": done, "seconds": elapsed,
             "per_s": done / elapsed, "capped": done < tasks,
             "steady_per_s": _steady(cluster.intervals(run)),
-            "worker_cpu_ms": worker_ms, "holder_cpu_ms": holder_ms,
-            **({"snapshots": snapshots} if snapshot is not None else {})}
+            "worker_cpu_ms": worker_ms, "holder_cpu_ms": holder_ms}
 
 
 STEADY = (0.3, 0.9)

@@ -15,10 +15,11 @@
 #                                     [--pool threads] [--passes 8]
 #
 # Needs the services of `python -m benchmarks` (Redis, PostgreSQL). Prints each pass
-# and the mean ratio, and appends them to benchmarks/results/side_by_side.txt (a log
-# of runs, newest last).
+# and the mean ratio, and writes them to benchmarks/results/side_by_side.txt (the
+# latest run; earlier ones are in git).
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import secrets
@@ -29,16 +30,39 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.cluster import ROOT, Cluster, create_database, running, suite_config
+from benchmarks.cluster import LOG_DIR, ROOT, Cluster, create_database, running, suite_config
 from benchmarks.measure import FREE_LIMIT, _publish
 from benchmarks.plan import SEMAPHORES
-from benchmarks.worker_profile import LOG_DIR, WARM, flood_parser, parse_flood
 from durability_celery import DurabilitySemaphore
 
 HOME = ("side-0", "side-1")
 """Each worker's own queue, where its warm tasks go."""
 CAP = 120.0
+WARM = 2
+"""Tasks per key each worker drains before the measured ones: its keys are new, and each
+new key's first round would weigh on a per-task figure."""
 RESULTS = ROOT / "benchmarks" / "results" / "side_by_side.txt"
+
+
+def flood_parser(prog: str, *, keys: int, passes: int,
+                 plain: bool = False) -> argparse.ArgumentParser:
+    """The options of a run of section 1's flood; `plain`: the variant may be plain Celery
+    too."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--variant", default="leases",
+                        choices=sorted(SEMAPHORES) + (["plain"] if plain else []))
+    parser.add_argument("--keys", type=int, default=keys)
+    parser.add_argument("--tasks", type=int, default=3000)
+    parser.add_argument("--pool", default="threads", choices=("threads", "prefork", "solo"))
+    parser.add_argument("--passes", type=int, default=passes)
+    return parser
+
+
+def parse_flood(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    options = parser.parse_args()
+    if options.keys < 1 or options.tasks < 1 or options.passes < 1:
+        parser.error("--keys, --tasks and --passes must be at least 1")
+    return options
 
 
 def _fill(cluster: Cluster, variant: str, queue: str, run: str, accounts: Sequence[str],
@@ -158,8 +182,7 @@ def main() -> None:
     lines.append(f"{options.pool}, {options.keys} key(s), {options.tasks} tasks per worker "
                  f"per pass: " + summary(options.variant, passes))
     print(lines[-1])
-    with RESULTS.open("a") as out:
-        out.write("\n".join(lines) + "\n\n")
+    RESULTS.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
