@@ -32,7 +32,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
-from weakref import WeakSet
+
+from celery.worker import state as worker_state
 
 from durability_celery.client import SemaphoreClient
 from durability_celery.worker.gate import Gate, Hooks
@@ -81,22 +82,23 @@ RUNNING = 2
 the worker's count (unadmitted_active) walks every active request."""
 
 
-def _running_elsewhere() -> WeakSet[Any]:
-    """Celery's active requests of a worker running RUNNING admitted tasks (kept alive
-    by the set's owner: _ACTIVE)."""
-    active: WeakSet[Any] = WeakSet()
+def _running_elsewhere() -> None:
+    """Make Celery's active requests those of a worker running RUNNING admitted tasks
+    (kept alive by _ACTIVE: the set holds weak references), once per process."""
+    if _ACTIVE:
+        return
     for _ in range(RUNNING):
         request = _Request()
         request._durability_release = _nothing
         _ACTIVE.append(request)
-        active.add(request)
-    return active
+        worker_state.active_requests.add(request)
 
 
 def make_gate(wakes: list[bool] | None = None) -> Gate:
     """A gate whose wakes (if `wakes`) are recorded for the caller to pump."""
+    _running_elsewhere()
     hooks = Hooks(handoff=lambda request: None, pool_size=lambda: POOL,
-                  busy=functools.partial(unadmitted_active, _running_elsewhere()),
+                  busy=unadmitted_active,
                   qos_increment=lambda: None, qos_decrement=lambda: None,
                   wake=lambda collect: None if wakes is None else wakes.append(collect))
     names = [SEMAPHORE] + [f"unused-{i}" for i in range(5)]

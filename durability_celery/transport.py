@@ -6,7 +6,7 @@
 # Why: kombu's filesystem transport creates a message file, then locks and
 # writes it, while consumers move and read files without taking the lock; a
 # consumer that picks a file up between create and write reads b"" and the
-# message is lost (the holder saw about 1 in 100) or the worker dies with
+# message is lost or the worker dies with
 # JSONDecodeError. The same happens to an exchange file that two processes
 # create at once. Here both are written under a name no reader picks up and
 # renamed (or hard-linked) into place, so readers see all or nothing (the

@@ -39,8 +39,8 @@ class Permit(NamedTuple):
     """The permit an admitted item runs under.
 
     A NamedTuple, not a frozen dataclass: one is built for nearly every admitted
-    task, and a frozen dataclass costs 1.0 us to build against 0.4 us here (0.2 us
-    with `_make`, which is tuple.__new__ itself, as the per-task paths build it)."""
+    task, and a tuple is the cheapest immutable record to build (`_make`, which is
+    tuple.__new__ itself, as the per-task paths build it)."""
 
     item_id: str  # e.g. the Celery task id
     key: str
@@ -89,9 +89,7 @@ class SemaphoreClient:
         """key -> local time before which due() may pass the key by: not due, and nothing of
         it changes with time alone before then (see _quiet_until). Whatever changes a key
         drops its entry (_changed). Sweeping every known key on every collecting pump
-        cost a prefork worker's event loop about 2 points of no-op throughput with 16
-        keys (leases 0.955 -> 0.979 of plain in probes), and grows with the keys a
-        worker has served."""
+        would cost the worker's event loop in proportion to the keys it has served."""
         self.capacity = capacity
         self.semaphore = semaphore
         self.client_id = client_id
@@ -364,7 +362,7 @@ class SemaphoreClient:
         while idle:
             # The most recently kept one: taking the oldest would renew every kept permit
             # in turn, so a worker with more than its arrivals need would never give the
-            # surplus back (measured: 8 of 20 idle for 17 s while another worker waited).
+            # surplus back while another worker waits.
             until, kept = idle.pop()
             if not idle:
                 del self._idle[slot]

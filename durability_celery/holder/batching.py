@@ -128,9 +128,8 @@ class Batcher:
         self._slots: dict[KeyId, _Slot] = {}
         self._waiting = 0
         # (wake time, tie-break, key): a slot's wake is checked when it comes up, and a
-        # stale entry (its slot woken earlier, rescheduled or forgotten) is skipped then.
-        # Scanning every slot instead took a third of a holder's interpreter time with
-        # 10,000 keys (benchmarks.holder_scale, 2026-12-02).
+        # stale entry (its slot woken earlier, rescheduled or forgotten) is skipped then,
+        # so finding what is due costs what is due, not a scan of every key known.
         self._wakes: list[tuple[float, int, KeyId]] = []
         self._order = itertools.count()
 
@@ -277,8 +276,8 @@ class Batcher:
         # A slot with nothing pending is kept only while its last round still
         # spaces the next one, gathering moment included; after that it carries no
         # information. Forgotten at the period's end, it lost the requests its replies
-        # told to come then: arriving a few milliseconds later, each found no slot and
-        # waited a whole round_wait (rounds 1.6 s apart for 0.7 in a holder test).
+        # told to come then: arriving a few milliseconds later, each would find no slot
+        # and wait a whole round_wait.
         last = slot.last_round_at
         return -math.inf if last is None else _told_at(last, *self._timing(key_id[0]))
 

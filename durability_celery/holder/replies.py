@@ -47,9 +47,8 @@ class ReplyPublisher:
     def batch(self) -> Iterator[None]:
         """Send the replies published inside together, when it ends (kombu's
         Producer.batch). On Redis that is one pipeline and one round trip, where each
-        reply alone took a client and a MULTI/EXEC of its own: in a profile of a holder
-        serving 10,000 keys, publishing replies held the interpreter lock a fifth of
-        the time (benchmarks.holder_scale). Transports without batches (RabbitMQ)
+        reply alone takes a client and a MULTI/EXEC of its own, holding the interpreter
+        lock the round threads need. Transports without batches (RabbitMQ)
         publish each reply at once. The buffered replies are sent also when the body
         raises: their rounds are committed, and their clients should hear of them. A
         batch with no reply in it touches no connection. A kombu without batches

@@ -2,8 +2,8 @@
 # serializes with every other round of its key before it reads anything
 # (SQLite: BEGIN IMMEDIATE; PostgreSQL: the key row locks taken in store.sql),
 # and any database failure leaves as InfrastructureError after a rollback.
-# Connections are not pinged on checkout (a SELECT 1 was a commit of its own
-# per round): `run_transaction` runs its body again, once, when the connection
+# Connections are not pinged on checkout (a SELECT 1 would be a commit of its
+# own per round): `run_transaction` runs its body again, once, when the connection
 # turns out dead before the commit, as a pooled one does after a restart.
 from __future__ import annotations
 

@@ -122,9 +122,9 @@ class _TableWrites:
 
 
 def _insert(conn: Connection, stmts: _Statements, rows: list[dict[str, Any]]) -> None:
-    # On PostgreSQL, COPY writes a round's new grants about five times faster
-    # than an executemany of INSERTs; it runs on the same DBAPI connection, so
-    # inside the round's transaction.
+    # On PostgreSQL, COPY writes a round's new grants several times faster than an
+    # executemany of INSERTs; it runs on the same DBAPI connection, so inside the
+    # round's transaction.
     if not _postgres(conn) or len(rows) < _COPY_FROM:
         conn.execute(insert(stmts.table), rows)
         return

@@ -229,10 +229,8 @@ class Gate:
             if free > 0:
                 # A permit at hand (kept, drawable, claimable) starts it now, neither
                 # queued nor held, and a pump has nothing to send for it before
-                # next_request_at unless others wait on this key's reports. Held, and
-                # with a pump per task, leases ran at 0.88 of plain Celery's no-op
-                # throughput on a threads pool; this way at 0.93-0.94 (worker CPU per
-                # task +0.09 ms instead of +0.2 ms; docs/benchmarks.md).
+                # next_request_at unless others wait on this key's reports. Held, every
+                # such task would cost the event loop a pump.
                 permit = client.admit_now(key, group, item)
                 if permit is not None:
                     # Celery's strategy asked whether it was revoked a moment ago; a
@@ -257,8 +255,7 @@ class Gate:
             # pool is all it waits for: that pump would sweep every key for nothing. With
             # the pool full too, no pump is needed at all: the release that frees a slot
             # wakes one (a slot freed by work the gate did not admit: the timer's pump).
-            # Under load that is most arrivals (a no-op task benchmark held 8,594 of
-            # 8,608), and this saved a pump each.
+            # Under load that is nearly every arrival, and each saves a pump.
             collect = client.asks(key)
             # A task that ended in a pool thread just now found nothing held, so it woke
             # no pump (release): this one must, to start the request on its slot.
@@ -270,10 +267,8 @@ class Gate:
         """Whether one more held message may raise prefetch: up to half of max_held while
         the pool is busy, so a busy worker leaves work to others; up to all of it while a
         pool slot is free that no held task can take. Without the second half, messages
-        of keys waiting for a round filled the prefetch window while the pool idled, and
-        tasks whose keys had a permit at hand waited in the broker behind them: 16 keys
-        of no-op tasks on grants only ran at 0.50 of plain Celery that way, and at
-        0.80-1.18 with this rule (threads x 4, max_held 32; docs/benchmarks.md)."""
+        of keys waiting for a round would fill the prefetch window while the pool idled,
+        and tasks whose keys had a permit at hand would wait in the broker behind them."""
         raised = self.state.raised
         if raised < self._busy_limit():
             return True
@@ -488,10 +483,11 @@ class Gate:
         before its next admission or pump, in order. The loop is woken when the release
         may start a held task, or may be news for the holder. Why: between a task's end
         and the next admission the worker runs Celery's own work, which leaves the caches
-        cold, and there each line of the gate costs several times its warm figure. With
-        the release in the pool thread, `python -m benchmarks.gate_cost --cold` gave
-        submit 22.5 + release 11.7 us per task; released by the next submit, 24.6 + 2.1
-        (and pool threads no longer take the lock)."""
+        cold, and there each line of the gate costs several times its warm figure
+        (`python -m benchmarks.gate_cost --cold`). Released in the pool thread, the
+        release and the admission after it each meet cold caches; released by the next
+        admission on the loop, the second finds the key's bookkeeping warm, and pool
+        threads never take the lock."""
         if threading.get_ident() != self.loop_thread:
             self._ended.append(item)
             if self._waited_on or self.state.held:

@@ -39,9 +39,7 @@ round (1-3 s), so a worker serving many keys on grants alone runs at most about 
 hold's size of tasks per round trip, and a full hold stops delivery for every key of the
 worker's queues. Not larger: held messages are unacked, so a worker killed while
 holding them returns them only after the broker's visibility_timeout, and a busy worker
-would hold messages that another worker with free slots could have run. (A larger hold
-also made a Redis restart crash the worker in kombu every time; guard_connection_loss
-fixes that.)"""
+would hold messages that another worker with free slots could have run."""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
 HANDOFF_LINGER = 0.25
@@ -84,16 +82,15 @@ def hold_deadline(app: Any, driver_type: str, configured: float | None) -> float
     return configured
 
 
-def unadmitted_active(active: Any = worker_state.active_requests) -> int:
+def unadmitted_active() -> int:
     """Pool slots taken by requests the gate did not admit (admitted ones carry their
     release hook, and the gate counts those itself).
 
-    Pool threads add to and discard from `active_requests` (a WeakSet) as tasks start
-    and end, and iterating it meanwhile raises "Set changed size during iteration":
-    under load that killed a threads worker's consumer (benchmark, section 2). So the
-    count iterates a copy of its references; `set.copy` runs in C, under the GIL.
-    `active`: Celery's active requests (benchmarks.gate_cost passes a set of its own)."""
-    refs = active.data.copy()
+    Pool threads add to and discard from Celery's `active_requests` (a WeakSet) as tasks
+    start and end, and iterating it meanwhile raises "Set changed size during iteration",
+    which would end a threads worker's consumer. So the count iterates a copy of its
+    references; `set.copy` runs in C, under the GIL."""
+    refs = worker_state.active_requests.data.copy()
     count = 0
     for ref in refs:  # a loop, not sum() over a generator: this runs for every admission
         request = ref()
@@ -191,9 +188,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         # claim must reach the holder before its deadline, however long the task).
         # Deferred through the loop's call_soon instead, the task ran on the loop's next
         # turn and Celery's ack of it on the turn after, past the loop's wait for the
-        # broker: with a prefetch of 1 each task waited for the 50 ms pump timer (22
-        # no-op tasks/s against plain Celery's 920). Other pools get Celery's own
-        # on_task_request, with nothing in between: it runs for every admitted task.
+        # broker: with a prefetch of 1 each task waited for the pump timer. Other pools
+        # get Celery's own on_task_request, with nothing in between: it runs for every
+        # admitted task.
         # (The consumer has its pool before its steps are made.)
         solo = isinstance(c.pool, SoloPool)
 
@@ -217,8 +214,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         While it runs, Celery's loop does not turn: no ack of the tasks already run, no
         heartbeat, no broker I/O, and not the gate's pump timer. So after CHAIN_BUDGET
         seconds the chain hands the rest to the loop's next turn. Without the budget, a
-        solo worker holding 30 tasks of 0.3 s ran 14 of them in one chain, acked none
-        until it ended, and saw its broker restart only then."""
+        long chain would ack nothing and notice no broker restart until it ended."""
         if self._running_deferred or self._parked or not self._deferred:
             return
         self._running_deferred = True
@@ -405,20 +401,15 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         """A producer on a broker connection of the step's own, as Celery's event
         dispatcher has one (consumer/events.py).
 
-        On the worker's consumer connection (as it was until 2026-12), a publish that
-        met a dead broker ended the worker's consumption: kombu's retry
-        (`Connection.ensure`) collects the connection it publishes on, and that was the
-        one Celery consumes tasks on; Celery, whose loop had seen no error, restarted
-        nothing, and no BRPOP was sent again. A solo worker (whose loop is blocked while
-        its tasks run, so its publish meets the dead broker first) stopped taking tasks
-        after every broker restart; a threads worker's publish met the dead broker
-        first in 3 of 20 restarts of a probe. On a connection of its own, the retry
-        collects only that; Celery sees its own connection fail and restarts the
-        consumer. No heartbeats: nothing reads this connection; one that died idle is
-        reconnected by its next publish's retry, or dropped (`_drop_producer`) for a new
-        one. Connecting retries as a publish does: kombu's default for a channel's
-        connection sleeps 2 s between attempts, on the event loop, and the gate asks
-        again after a failure anyway."""
+        Not the worker's consumer connection: kombu's retry (`Connection.ensure`)
+        collects the connection it publishes on, so a publish that met a dead broker
+        there would end the worker's consumption while Celery, whose loop saw no error,
+        restarted nothing. On a connection of its own, the retry collects only that;
+        Celery sees its own connection fail and restarts the consumer. No heartbeats:
+        nothing reads this connection; one that died idle is reconnected by its next
+        publish's retry, or dropped (`_drop_producer`) for a new one. Connecting retries
+        as a publish does: kombu's default for a channel's connection sleeps 2 s between
+        attempts, on the event loop, and the gate asks again after a failure anyway."""
         self._connection = self.c.app.connection_for_write(heartbeat=0)
         self._connection.ensure_connection(**_PUBLISH_RETRY)
         self.producer = Producer(  # type: ignore[no-untyped-call]

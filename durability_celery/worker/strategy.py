@@ -27,11 +27,10 @@ class GatedConsumer:
         # from timers and deferred calls too (a solo pool's above all), so one can still
         # be pending when a lost broker connection makes Celery tear the task channel
         # down. kombu then raises AttributeError from the detached channel ('NoneType'
-        # object has no attribute 'client'), and only connection errors were caught: the
-        # worker died with "Unrecoverable error" in 2 of 16 solo broker-restart runs.
-        # Caught, it is logged as Celery logs a failed ack; the message is in the
-        # broker's unacked index and comes again. (Until 2026-12 AdmittedRequest built
-        # this tuple in its own acknowledge and reject, on every ack.)
+        # object has no attribute 'client'), which would end the worker with
+        # "Unrecoverable error" if only connection errors were caught. Caught, it is
+        # logged as Celery logs a failed ack; the message is in the broker's unacked
+        # index and comes again. Built once here, not on every ack.
         self.connection_errors = (*consumer.connection_errors, AttributeError)
 
     def __getattr__(self, name: str) -> Any:
