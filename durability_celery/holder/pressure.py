@@ -1,0 +1,117 @@
+# The holder's back-pressure: whether it has fallen behind, and how much later it
+# tells clients to ask. Rule: one place holds the overload state (read by logs and
+# metrics); the dispatcher thread alone calls `observe`, anything may read.
+#
+# The measure is the lag of due work: how long the earliest due round or reclaim
+# has waited for a round thread. A holder that cannot keep up sees it grow, and
+# each client's next request then waited that long more. The remedy is fewer
+# rounds per busy key: the holder stretches the key's period (its replies'
+# next_request_at, and when its batcher serves the requests told to come) by
+# `stretch`, so each key's cycle keeps its length but spends it with the client
+# instead of as lag, and request -> reply stays short (docs/operations.md).
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("durability_celery.holder")
+
+TARGET_LAG_SHARE = 0.25
+"""Lag the holder aims at, as a share of the shortest round_period it serves; more
+stretches the period, less (half of it) lets the stretch shrink back."""
+OVERLOAD_LAG = 1.0
+"""Seconds of lag that make the holder overloaded even before it stretches anything."""
+MAX_STRETCH = 8.0
+"""The longest a period is stretched: past it, requests wait (and more holders are due)."""
+SHRINK = 0.7
+"""Factor the stretch shrinks by per period without lag: gradual, as load comes back."""
+MIN_ADJUST = 0.25
+"""Seconds between two changes of the stretch at the least: a change shows in the lag
+only once clients asked at the new times, a period later."""
+LOG_EVERY = 30.0
+
+
+@dataclass(frozen=True)
+class PressureView:
+    """What the holder reports about its load (for logs and metrics)."""
+
+    overloaded: bool
+    stretch: float
+    lag: float
+    """Seconds the earliest due job waited at the last look."""
+    waiting: int
+    """Requests held for rounds."""
+    shed: int
+    """Requests answered with a newer request's reply instead of a round of their own."""
+
+
+class Pressure:
+    """The overload state of one holder and the stretch it applies to periods."""
+
+    def __init__(self, shortest_period: Callable[[], float]) -> None:
+        self._shortest_period = shortest_period
+        self.stretch = 1.0
+        """Factor on every round_period while the holder is behind (1.0: not behind)."""
+        self.overloaded = False
+        self.lag = 0.0
+        self.waiting = 0
+        self.shed = 0
+        self._peak = 0.0
+        self._next_adjust: float | None = None
+        self._next_log = 0.0
+
+    def view(self) -> PressureView:
+        return PressureView(self.overloaded, self.stretch, self.lag, self.waiting, self.shed)
+
+    def period(self, round_period: float) -> float:
+        """`round_period` as the holder serves it now."""
+        return round_period * self.stretch
+
+    def observe(self, now: float, lag: float, waiting: int) -> None:
+        """The dispatcher's look at its due jobs: adjust the stretch about once a period."""
+        self.lag, self.waiting = max(0.0, lag), waiting
+        self._peak = max(self._peak, self.lag)
+        shortest = self._shortest_period()
+        if self._next_adjust is None:
+            self._next_adjust = now + max(MIN_ADJUST, shortest)
+        elif now >= self._next_adjust:
+            self._adjust(shortest)
+            self._next_adjust = now + max(MIN_ADJUST, self.period(shortest))
+        overloaded = self.stretch > 1.0 or self.lag > OVERLOAD_LAG
+        self._log(now, overloaded)
+        self.overloaded = overloaded
+
+    def _adjust(self, shortest: float) -> None:
+        target = TARGET_LAG_SHARE * shortest
+        peak, self._peak = self._peak, 0.0
+        if peak > target:
+            # Half the excess lag moves into the period: the rest is left for the
+            # next look, so a burst that is already over does not overshoot.
+            self.stretch = min(MAX_STRETCH, self.stretch + (peak - target) / (2 * shortest))
+        elif peak < target / 2 and self.stretch > 1.0:
+            self.stretch = max(1.0, self.stretch * SHRINK)
+            if self.stretch < 1.05:
+                self.stretch = 1.0
+
+    def _log(self, now: float, overloaded: bool) -> None:
+        if overloaded and (not self.overloaded or now >= self._next_log):
+            self._next_log = now + LOG_EVERY
+            logger.warning(
+                "durability holder: overloaded: due rounds wait %.1f s for a round thread, "
+                "%d requests waiting, periods stretched x%.2f, %d superseded requests shed; "
+                "more holders (--durability-shards) would help", self.lag, self.waiting,
+                self.stretch, self.shed)
+        elif self.overloaded and not overloaded:
+            logger.info("durability holder: no longer overloaded")
+
+    def stretch_reply(self, response: dict[str, Any], round_period: float) -> None:
+        """Tell the client of `response` to ask no sooner than a stretched period after
+        its round (a blocked client too: under overload its request would only wait
+        at the holder for the stretched period, and time out)."""
+        if self.stretch <= 1.0 or "error" in response:
+            return
+        round_at, told = response.get("round_at"), response.get("next_request_at")
+        if isinstance(round_at, int | float) and isinstance(told, int | float):
+            response["next_request_at"] = max(told, round_at + self.period(round_period))

@@ -1,0 +1,75 @@
+# Back-pressure (holder/pressure.py) on a fake clock: lag past its target stretches
+# the period and the replies' next_request_at, the stretch is capped, it shrinks
+# back once the lag is gone, and the holder says so (state and log).
+from __future__ import annotations
+
+import pytest
+
+from durability_celery.holder import pressure as pressure_module
+from durability_celery.holder.pressure import MAX_STRETCH, Pressure
+
+PERIOD = 2.0
+
+
+def reply(round_at: float, *, blocked: bool = False) -> dict[str, object]:
+    return {"round_at": round_at, "next_request_at": round_at if blocked else round_at + PERIOD}
+
+
+def behind(pressure: Pressure, start: float, seconds: float, lag: float) -> float:
+    """Looks every 0.1 s for `seconds`, each finding the earliest due job `lag` late."""
+    now = start
+    while now < start + seconds:
+        pressure.observe(now, lag, waiting=500)
+        now += 0.1
+    return now
+
+
+def test_lag_past_its_target_stretches_periods_and_replies(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pressure = Pressure(lambda: PERIOD)
+    behind(pressure, 0.0, 5.0, lag=0.1)  # under the target (a quarter period)
+    assert (pressure.stretch, pressure.overloaded) == (1.0, False)
+    answer = reply(10.0)
+    pressure.stretch_reply(answer, PERIOD)
+    assert answer["next_request_at"] == 12.0
+    with caplog.at_level("WARNING", logger="durability_celery.holder"):
+        behind(pressure, 5.0, 10.0, lag=2.5)
+    assert pressure.overloaded and 2.0 < pressure.stretch <= MAX_STRETCH
+    assert pressure.period(PERIOD) == PERIOD * pressure.stretch
+    assert caplog.text.count("overloaded") == 1  # once, not per look
+    for blocked in (False, True):  # a blocked client is told to wait as well
+        answer = reply(10.0, blocked=blocked)
+        pressure.stretch_reply(answer, PERIOD)
+        assert answer["next_request_at"] == 10.0 + PERIOD * pressure.stretch
+    error = {"v": 1, "error": {"code": "unavailable", "message": "x"}}
+    pressure.stretch_reply(error, PERIOD)
+    assert "next_request_at" not in error
+    assert pressure.view().waiting == 500
+
+
+def test_the_stretch_is_capped() -> None:
+    pressure = Pressure(lambda: PERIOD)
+    behind(pressure, 0.0, 300.0, lag=30.0)
+    assert pressure.stretch == MAX_STRETCH
+
+
+def test_without_lag_the_stretch_shrinks_back_and_the_overload_ends(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pressure = Pressure(lambda: PERIOD)
+    now = behind(pressure, 0.0, 20.0, lag=3.0)
+    stretched = pressure.stretch
+    now = behind(pressure, now, 2 * PERIOD * stretched, lag=0.0)
+    assert 1.0 < pressure.stretch < stretched  # gradually: clients come back a period later
+    with caplog.at_level("INFO", logger="durability_celery.holder"):
+        behind(pressure, now, 200.0, lag=0.0)
+    assert (pressure.stretch, pressure.overloaded) == (1.0, False)
+    assert "no longer overloaded" in caplog.text
+
+
+def test_a_long_lag_is_overload_even_before_a_stretch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pressure_module, "OVERLOAD_LAG", 0.5)
+    pressure = Pressure(lambda: PERIOD)
+    pressure.observe(0.0, 0.6, waiting=1)
+    assert pressure.overloaded and pressure.stretch == 1.0
+    pressure.observe(0.1, 0.0, waiting=0)
+    assert not pressure.overloaded
