@@ -35,6 +35,8 @@ PROMPT = 0.02
 """Seconds a round waits to coalesce after a request that brings capacity back. Also the
 closest two rounds of one key ever run, so a chatty client cannot make its key's rounds
 a hot loop."""
+QUIET_CLIENT = 30
+"""Periods after which a busy key's slot forgets a client it has not heard from."""
 FREE_GATHER = 0.002
 """A free key's round waits this long after its first waiting request: enough to take
 the requests sent together with it, short enough that a key whose budget covers its
@@ -122,6 +124,10 @@ class _Slot:
     client asking for those groups only is parked."""
     given_back: dict[str, dict[str, int]] = field(default_factory=dict)
     """client_id -> its last request's `given_back` marks, to tell news from repeats."""
+    heard: dict[str, float] = field(default_factory=dict)
+    """client_id -> arrival of its last request: a key busy for good forgets the
+    clients gone quiet (see Batcher._forget_quiet_clients)."""
+    quiet_check_at: float = -math.inf
     fresh_at: float | None = None
     """Arrival of the first waiting request that is not parked."""
     freed_at: float | None = None
@@ -162,6 +168,7 @@ class Batcher:
             marks = given_back(request.body)
             before = slot.given_back.get(client, {})
             slot.given_back[client] = marks
+            slot.heard[client] = at
             if any(mark > before.get(ident, 0) for ident, mark in marks.items()):
                 if slot.freed_at is None:
                     slot.freed_at = at
@@ -265,6 +272,7 @@ class Batcher:
             slot.busy = True
             slot.last_round_at = now
             slot.fresh_at = slot.freed_at = slot.parked_at = None
+            self._forget_quiet_clients(key_id, slot, now)
             for request in slot.waiting:  # past max_batch: they wait for the next round
                 self._classify(slot, request)
             return Round(key_id, tuple(batch))
@@ -273,6 +281,21 @@ class Batcher:
             slot.alarm_at = None
             return Reclaim(key_id)
         return None
+
+    def _forget_quiet_clients(self, key_id: KeyId, slot: _Slot, now: float) -> None:
+        # A slot lives while its key is busy, and workers come and go meanwhile (each
+        # restart is a new client_id): what it knows of a client not heard from for
+        # QUIET_CLIENT periods goes. Forgotten, a client's next request counts as
+        # capacity come back or fresh: a round sooner, never a wrong one.
+        if now < slot.quiet_check_at:
+            return
+        quiet = QUIET_CLIENT * self._timing(key_id[0])[1]
+        slot.quiet_check_at = now + quiet  # a look at each client costs a round's worth
+        quiet_before = now - quiet
+        for client in [c for c, at in slot.heard.items() if at < quiet_before]:
+            del slot.heard[client]
+            slot.given_back.pop(client, None)
+            slot.blocked.pop(client, None)
 
     def _reschedule(self, key_id: KeyId, slot: _Slot) -> None:
         """Keep the rule of `_Slot.wake_at` for a slot that is not busy: wake it when its
