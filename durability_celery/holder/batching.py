@@ -128,6 +128,9 @@ class _Slot:
     """client_id -> arrival of its last request: a key busy for good forgets the
     clients gone quiet (see Batcher._forget_quiet_clients)."""
     quiet_check_at: float = -math.inf
+    period: float | None = None
+    """The period the last round told its clients, when longer than the semaphore's
+    round_period (an overloaded holder stretches it: holder/pressure.py)."""
     fresh_at: float | None = None
     """Arrival of the first waiting request that is not parked."""
     freed_at: float | None = None
@@ -226,7 +229,7 @@ class Batcher:
         if slot.parked_at is not None:
             at = slot.parked_at + round_wait
             if last is not None:
-                told = _told_at(last, round_wait, round_period)
+                told = _told_at(last, round_wait, slot.period or round_period)
                 if slot.parked_at < told:
                     # It waited for the period, and the clients the last round told to
                     # ask at its end are gathered by `told`, not a round_wait later.
@@ -315,7 +318,10 @@ class Batcher:
         # told to come then: arriving a few milliseconds later, each found no slot and
         # waited a whole round_wait (rounds 1.6 s apart for 0.7 in a holder test).
         last = slot.last_round_at
-        return -math.inf if last is None else _told_at(last, *self._timing(key_id[0]))
+        if last is None:
+            return -math.inf
+        round_wait, round_period = self._timing(key_id[0])
+        return _told_at(last, round_wait, slot.period or round_period)
 
     def _forgettable(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
         if slot.waiting or slot.alarm_at is not None:
@@ -323,20 +329,23 @@ class Batcher:
         return now >= self._forget_at(key_id, slot)
 
     def finished(self, key_id: KeyId, *, round_at: float | None = None,
-                 blocked: dict[str, frozenset[str | None]] | None = None) -> None:
+                 blocked: dict[str, frozenset[str | None]] | None = None,
+                 period: float | None = None) -> None:
         """The key's job ended (committed or failed): it may run the next one.
 
         `round_at` is the time the round itself recorded (taken a little after
         it was started); the next round is spaced from it, so the times clients
         see are never closer than round_period. `blocked`: for each client the
         round answered, the groups it left blocked for it (empty: none; None: a
-        reclaim or a failed round, which tell nothing).
+        reclaim or a failed round, which tell nothing). `period`: the period the
+        round's replies told, if stretched (None: round_period).
         """
         slot = self._slots.get(key_id)
         if slot is not None:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
+                slot.period = period
             if blocked is not None and not any(blocked.values()):
                 # Nobody this round answered is blocked: capacity that came back may be
                 # unallocated now, so no one waits parked for it.

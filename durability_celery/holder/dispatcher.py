@@ -208,8 +208,12 @@ class Dispatcher(threading.Thread):
 
     def _round_done(self, job: Round, responses: list[dict[str, Any]] | None) -> None:
         key_id = job.key_id
+        period = float(self._semaphores[key_id[0]].config.round_period)
+        # Its replies tell clients to come a stretched period later if the holder is
+        # behind: the batcher gathers them then (parked requests wait for it).
+        told = self.pressure.period(period) if self.pressure.stretch > 1.0 else None
         self._batcher.finished(key_id, round_at=round_at_of(responses),
-                               blocked=blocked_by(job, responses))
+                               blocked=blocked_by(job, responses), period=told)
         if responses is None:
             answers: Iterable[dict[str, Any]] = [
                 error_reply("unavailable", "the holder's database failed; ask again later")
@@ -218,7 +222,6 @@ class Dispatcher(threading.Thread):
             answers = responses
             for deadline in claim_deadlines(responses):
                 self._batcher.set_alarm(key_id, deadline)
-            period = float(self._semaphores[key_id[0]].config.round_period)
             for response in responses:
                 self.pressure.stretch_reply(response, period)
         for request, answer in zip(job.requests, answers, strict=True):
@@ -286,10 +289,8 @@ class Dispatcher(threading.Thread):
     # --- pool threads: the only place SQL runs ------------------------------
 
     def _timing(self, semaphore: str) -> tuple[float, float]:
-        # The period as served now: stretched while the holder is behind, so the
-        # requests its replies told to come later are served when they come.
         config = self._semaphores[semaphore].config
-        return float(config.round_wait), self.pressure.period(float(config.round_period))
+        return float(config.round_wait), float(config.round_period)
 
     def _shortest_period(self) -> float:
         return min((float(s.config.round_period) for s in self._semaphores.values()),

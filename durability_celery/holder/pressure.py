@@ -8,7 +8,10 @@
 # rounds per busy key: the holder stretches the key's period (its replies'
 # next_request_at, and when its batcher serves the requests told to come) by
 # `stretch`, so each key's cycle keeps its length but spends it with the client
-# instead of as lag, and request -> reply stays short (docs/operations.md).
+# instead of as lag, and request -> reply stays short (docs/operations.md). The
+# batcher serves a key's parked requests by the period its last replies told
+# (Batcher.finished), so a change of the stretch never holds a request that
+# was told to come at once.
 from __future__ import annotations
 
 import logging
@@ -28,8 +31,8 @@ MAX_STRETCH = 8.0
 SHRINK = 0.7
 """Factor the stretch shrinks by per period without lag: gradual, as load comes back."""
 MIN_ADJUST = 0.25
-"""Seconds between two changes of the stretch at the least: a change shows in the lag
-only once clients asked at the new times, a period later."""
+"""Seconds between two changes of the stretch at the least; they come once per (shortest)
+period: a change shows in the lag once the clients it told have asked again."""
 LOG_EVERY = 30.0
 
 
@@ -78,7 +81,7 @@ class Pressure:
             self._next_adjust = now + max(MIN_ADJUST, shortest)
         elif now >= self._next_adjust:
             self._adjust(shortest)
-            self._next_adjust = now + max(MIN_ADJUST, self.period(shortest))
+            self._next_adjust = now + max(MIN_ADJUST, shortest)
         overloaded = self.stretch > 1.0 or self.lag > OVERLOAD_LAG
         self._log(now, overloaded)
         self.overloaded = overloaded

@@ -1,11 +1,13 @@
 # Back-pressure (holder/pressure.py) on a fake clock: lag past its target stretches
 # the period and the replies' next_request_at, the stretch is capped, it shrinks
-# back once the lag is gone, and the holder says so (state and log).
+# back once the lag is gone, and the holder says so (state and log); the batcher
+# serves parked requests by the period their key's last round told.
 from __future__ import annotations
 
 import pytest
 
 from durability_celery.holder import pressure as pressure_module
+from durability_celery.holder.batching import GATHER, Batcher, Waiting
 from durability_celery.holder.pressure import MAX_STRETCH, Pressure
 
 PERIOD = 2.0
@@ -57,8 +59,9 @@ def test_without_lag_the_stretch_shrinks_back_and_the_overload_ends(
         caplog: pytest.LogCaptureFixture) -> None:
     pressure = Pressure(lambda: PERIOD)
     now = behind(pressure, 0.0, 20.0, lag=3.0)
+    now = behind(pressure, now, PERIOD, lag=0.0)  # its look still saw the lag
     stretched = pressure.stretch
-    now = behind(pressure, now, 2 * PERIOD * stretched, lag=0.0)
+    now = behind(pressure, now, PERIOD, lag=0.0)  # one look that changes it
     assert 1.0 < pressure.stretch < stretched  # gradually: clients come back a period later
     with caplog.at_level("INFO", logger="durability_celery.holder"):
         behind(pressure, now, 200.0, lag=0.0)
@@ -73,3 +76,20 @@ def test_a_long_lag_is_overload_even_before_a_stretch(monkeypatch: pytest.Monkey
     assert pressure.overloaded and pressure.stretch == 1.0
     pressure.observe(0.1, 0.0, waiting=0)
     assert not pressure.overloaded
+
+
+def test_parked_requests_wait_for_the_period_their_round_told() -> None:
+    b = Batcher(lambda semaphore: (1.0, PERIOD))
+    key = ("s", "k")
+    body = {"client_id": "c1", "demand": [{"group": None, "count": 1}]}
+    blocked = {"c1": frozenset({None})}
+    b.add(key, Waiting(body, None, None, 0.0))
+    assert len(b.take_due(1.0)) == 1
+    b.finished(key, round_at=1.0, blocked=blocked, period=3 * PERIOD)  # stretched
+    b.add(key, Waiting(body, None, None, 1.01))  # a blocked client asking at once: parked
+    assert b.round_at(key) == pytest.approx(1.0 + 3 * PERIOD + GATHER)
+    at = 1.0 + 3 * PERIOD + GATHER
+    assert len(b.take_due(at)) == 1
+    b.finished(key, round_at=at, blocked=blocked)  # no longer stretched
+    b.add(key, Waiting(body, None, None, at + 0.01))
+    assert b.round_at(key) == pytest.approx(at + PERIOD + GATHER)
