@@ -70,6 +70,8 @@ class _BatchDone:
     """Each round with its responses; None: that round failed, nothing of it committed."""
     shed: int = 0
     """Requests answered with a newer one's response (shedding.answered_by)."""
+    took: float = 0.0
+    """Seconds the batch ran: its requests' replies waited that long for it."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ class Dispatcher(threading.Thread):
             self._running -= 1
             self._jobs -= 1
             self.pressure.shed += event.shed
+            self.pressure.ran(event.took)
             for job, responses in event.rounds:
                 self._round_done(job, responses)
         elif isinstance(event, _ReclaimDone):
@@ -297,6 +300,7 @@ class Dispatcher(threading.Thread):
                    default=1.0)
 
     def _run_batch(self, jobs: list[Round]) -> None:
+        started = time.monotonic()
         semaphore = jobs[0].key_id[0]
         answers = [answered_by([r.body for r in job.requests], semaphore=semaphore,
                                key=job.key_id[1]) for job in jobs]
@@ -319,7 +323,7 @@ class Dispatcher(threading.Thread):
             logger.exception("durability holder: answering a round batch failed")
             done = tuple((job, None) for job in jobs)
         shed = sum(1 for mine in answers for a in mine if a is not None)
-        self._inbox.put(_BatchDone(done, shed))
+        self._inbox.put(_BatchDone(done, shed, time.monotonic() - started))
 
     def _run_reclaim(self, job: Reclaim) -> None:
         semaphore, key = job.key_id

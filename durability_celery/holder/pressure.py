@@ -3,8 +3,8 @@
 # metrics); the dispatcher thread alone calls `observe`, anything may read.
 #
 # The measure is the lag of due work: how long the earliest due round or reclaim
-# has waited for a round thread. A holder that cannot keep up sees it grow, and
-# each client's next request then waited that long more. The remedy is fewer
+# has waited for a round thread, or a round batch ran. A holder that cannot keep
+# up sees it grow, and each client's next request then waited that long more. The remedy is fewer
 # rounds per busy key: the holder stretches the key's period (its replies'
 # next_request_at, and when its batcher serves the requests told to come) by
 # `stretch`, so each key's cycle keeps its length but spends it with the client
@@ -28,11 +28,11 @@ OVERLOAD_LAG = 1.0
 """Seconds of lag that make the holder overloaded even before it stretches anything."""
 MAX_STRETCH = 8.0
 """The longest a period is stretched: past it, requests wait (and more holders are due)."""
-SHRINK = 0.7
+SHRINK = 0.85
 """Factor the stretch shrinks by per period without lag: gradual, as load comes back."""
 MIN_ADJUST = 0.25
-"""Seconds between two changes of the stretch at the least; they come once per (shortest)
-period: a change shows in the lag once the clients it told have asked again."""
+"""Seconds between two looks that may grow the stretch; it shrinks at most once per
+(shortest) period: a change shows in the lag once the clients it told asked again."""
 LOG_EVERY = 30.0
 
 
@@ -62,6 +62,7 @@ class Pressure:
         self.waiting = 0
         self.shed = 0
         self._peak = 0.0
+        self._last_peak = 0.0
         self._next_adjust: float | None = None
         self._next_log = 0.0
 
@@ -72,31 +73,51 @@ class Pressure:
         """`round_period` as the holder serves it now."""
         return round_period * self.stretch
 
+    @property
+    def behind(self) -> bool:
+        """Due work waited past the target lag lately, or periods are stretched: no
+        reply tells its client to ask again before a (stretched) period."""
+        target = TARGET_LAG_SHARE * self._shortest_period()
+        return self.stretch > 1.0 or max(self._peak, self._last_peak) > target
+
+    def ran(self, seconds: float) -> None:
+        """A round batch took `seconds`: the requests taken into it waited as long for
+        their replies as due work waits for a thread (the lag misses them: taken, they
+        are no longer due)."""
+        self._peak = max(self._peak, seconds)
+
     def observe(self, now: float, lag: float, waiting: int) -> None:
         """The dispatcher's look at its due jobs: adjust the stretch about once a period."""
         self.lag, self.waiting = max(0.0, lag), waiting
         self._peak = max(self._peak, self.lag)
         shortest = self._shortest_period()
         if self._next_adjust is None:
-            self._next_adjust = now + max(MIN_ADJUST, shortest)
+            self._next_adjust = now + MIN_ADJUST
         elif now >= self._next_adjust:
-            self._adjust(shortest)
-            self._next_adjust = now + max(MIN_ADJUST, shortest)
+            self._next_adjust = now + self._adjust(shortest)
         overloaded = self.stretch > 1.0 or self.lag > OVERLOAD_LAG
         self._log(now, overloaded)
         self.overloaded = overloaded
 
-    def _adjust(self, shortest: float) -> None:
+    def _adjust(self, shortest: float) -> float:
+        """Change the stretch by the lag seen since the last change; returns how long
+        until the next one."""
         target = TARGET_LAG_SHARE * shortest
         peak, self._peak = self._peak, 0.0
-        if peak > target:
-            # Half the excess lag moves into the period: the rest is left for the
-            # next look, so a burst that is already over does not overshoot.
-            self.stretch = min(MAX_STRETCH, self.stretch + (peak - target) / (2 * shortest))
-        elif peak < target / 2 and self.stretch > 1.0:
+        growing = peak >= self._last_peak
+        self._last_peak = peak
+        if peak > target and growing:
+            # The excess lag moves into the period: clients then spend it away from
+            # the holder. Too much is the safe side (they ask a little less often),
+            # so it grows at each look while the lag does: a request already parked
+            # waits for the period its reply told plus the lag.
+            self.stretch = min(MAX_STRETCH, self.stretch + (peak - target) / shortest)
+            return MIN_ADJUST
+        if peak < target / 2 and self.stretch > 1.0:
             self.stretch = max(1.0, self.stretch * SHRINK)
             if self.stretch < 1.05:
                 self.stretch = 1.0
+        return max(MIN_ADJUST, shortest)
 
     def _log(self, now: float, overloaded: bool) -> None:
         if overloaded and (not self.overloaded or now >= self._next_log):
@@ -110,10 +131,11 @@ class Pressure:
             logger.info("durability holder: no longer overloaded")
 
     def stretch_reply(self, response: dict[str, Any], round_period: float) -> None:
-        """Tell the client of `response` to ask no sooner than a stretched period after
-        its round (a blocked client too: under overload its request would only wait
-        at the holder for the stretched period, and time out)."""
-        if self.stretch <= 1.0 or "error" in response:
+        """While behind, tell the client of `response` to ask no sooner than a (stretched)
+        period after its round. A blocked client too: told to ask at once, its request
+        would wait at the holder for the period plus the lag, which then grows: the
+        prompt round it waits for is lost in the lag anyway."""
+        if not self.behind or "error" in response:
             return
         round_at, told = response.get("round_at"), response.get("next_request_at")
         if isinstance(round_at, int | float) and isinstance(told, int | float):
