@@ -82,6 +82,11 @@ class _ReclaimDone:
 
 
 @dataclass(frozen=True)
+class _Queued:
+    seconds: float
+
+
+@dataclass(frozen=True)
 class _ScanDone:
     deadlines: list[tuple[KeyId, float]]
 
@@ -127,6 +132,10 @@ class Dispatcher(threading.Thread):
 
     def submit(self, key_id: KeyId, request: Waiting) -> None:
         self._inbox.put(_Incoming(key_id, request))
+
+    def queued_for(self, seconds: float) -> None:
+        """Requests wait about `seconds` in the shard queues before they are taken."""
+        self._inbox.put(_Queued(seconds))
 
     def answer_error(self, reply_to: str, correlation_id: str | None, code: str, text: str) -> None:
         self._inbox.put(_ErrorAnswer(reply_to, correlation_id, error_reply(code, text)))
@@ -188,7 +197,7 @@ class Dispatcher(threading.Thread):
             self._running -= 1
             self._jobs -= 1
             self.pressure.shed += event.shed
-            self.pressure.ran(event.took)
+            self.pressure.waited(event.took)
             for job, responses in event.rounds:
                 self._round_done(job, responses)
         elif isinstance(event, _ReclaimDone):
@@ -204,6 +213,8 @@ class Dispatcher(threading.Thread):
             self._running -= 1
             for key_id, deadline in event.deadlines:
                 self._batcher.set_alarm(key_id, deadline)
+        elif isinstance(event, _Queued):
+            self.pressure.waited(event.seconds)
         elif event is _CANCELLED:
             self._running -= 1
         elif isinstance(event, _ErrorAnswer):

@@ -3,8 +3,9 @@
 # metrics); the dispatcher thread alone calls `observe`, anything may read.
 #
 # The measure is the lag of due work: how long the earliest due round or reclaim
-# has waited for a round thread, or a round batch ran. A holder that cannot keep
-# up sees it grow, and each client's next request then waited that long more. The remedy is fewer
+# has waited for a round thread, or a round batch ran, or requests wait in the
+# shard queues. A holder that cannot keep up sees it grow, and each client's
+# next request then waited that long more. The remedy is fewer
 # rounds per busy key: the holder stretches the key's period (its replies'
 # next_request_at, and when its batcher serves the requests told to come) by
 # `stretch`, so each key's cycle keeps its length but spends it with the client
@@ -80,10 +81,10 @@ class Pressure:
         target = TARGET_LAG_SHARE * self._shortest_period()
         return self.stretch > 1.0 or max(self._peak, self._last_peak) > target
 
-    def ran(self, seconds: float) -> None:
-        """A round batch took `seconds`: the requests taken into it waited as long for
-        their replies as due work waits for a thread (the lag misses them: taken, they
-        are no longer due)."""
+    def waited(self, seconds: float) -> None:
+        """Requests waited `seconds` where the lag of due work cannot see them: in a
+        round batch that ran that long (taken, they are no longer due), or in the
+        shard queues before the consumer took them (HolderConsumer)."""
         self._peak = max(self._peak, seconds)
 
     def observe(self, now: float, lag: float, waiting: int) -> None:
