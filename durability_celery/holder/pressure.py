@@ -44,7 +44,8 @@ class PressureView:
     overloaded: bool
     stretch: float
     lag: float
-    """Seconds the earliest due job waited at the last look."""
+    """Seconds requests waited lately, at most (for a round thread, in a round batch,
+    in the shard queues)."""
     waiting: int
     """Requests held for rounds."""
     shed: int
@@ -89,13 +90,14 @@ class Pressure:
 
     def observe(self, now: float, lag: float, waiting: int) -> None:
         """The dispatcher's look at its due jobs: adjust the stretch about once a period."""
-        self.lag, self.waiting = max(0.0, lag), waiting
-        self._peak = max(self._peak, self.lag)
+        self.waiting = waiting
+        self._peak = max(self._peak, lag)
         shortest = self._shortest_period()
         if self._next_adjust is None:
             self._next_adjust = now + MIN_ADJUST
         elif now >= self._next_adjust:
             self._next_adjust = now + self._adjust(shortest)
+        self.lag = max(self._peak, self._last_peak)
         overloaded = self.stretch > 1.0 or self.lag > OVERLOAD_LAG
         self._log(now, overloaded)
         self.overloaded = overloaded
@@ -124,10 +126,10 @@ class Pressure:
         if overloaded and (not self.overloaded or now >= self._next_log):
             self._next_log = now + LOG_EVERY
             logger.warning(
-                "durability holder: overloaded: due rounds wait %.1f s for a round thread, "
-                "%d requests waiting, periods stretched x%.2f, %d superseded requests shed; "
-                "more holders (--durability-shards) would help", self.lag, self.waiting,
-                self.stretch, self.shed)
+                "durability holder: overloaded: requests wait up to %.1f s, %d waiting for "
+                "rounds, periods stretched x%.2f, %d superseded requests shed; more holders "
+                "(--durability-shards) would help", self.lag, self.waiting, self.stretch,
+                self.shed)
         elif self.overloaded and not overloaded:
             logger.info("durability holder: no longer overloaded")
 

@@ -71,11 +71,11 @@ def test_without_lag_the_stretch_shrinks_back_and_the_overload_ends(
 
 def test_a_long_lag_is_overload_even_before_a_stretch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pressure_module, "OVERLOAD_LAG", 0.5)
-    pressure = Pressure(lambda: PERIOD)
+    pressure = Pressure(lambda: 100.0)  # a long period: no stretch for a lag of 0.6 s
     pressure.observe(0.0, 0.6, waiting=1)
     assert pressure.overloaded and pressure.stretch == 1.0
-    pressure.observe(0.1, 0.0, waiting=0)
-    assert not pressure.overloaded
+    behind(pressure, 0.1, 250.0, lag=0.0)
+    assert not pressure.overloaded and pressure.view().lag == 0.0
 
 
 def test_parked_requests_wait_for_the_period_their_round_told() -> None:
