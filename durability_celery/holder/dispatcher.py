@@ -313,8 +313,7 @@ class Dispatcher(threading.Thread):
     def _run_batch(self, jobs: list[Round]) -> None:
         started = time.monotonic()
         semaphore = jobs[0].key_id[0]
-        answers = [answered_by([r.body for r in job.requests], semaphore=semaphore,
-                               key=job.key_id[1]) for job in jobs]
+        answers = self._shed(semaphore, jobs)
         try:
             batch = [(job.key_id[1], [r.body for r, a in zip(job.requests, mine, strict=True)
                                       if a is None])
@@ -335,6 +334,16 @@ class Dispatcher(threading.Thread):
             done = tuple((job, None) for job in jobs)
         shed = sum(1 for mine in answers for a in mine if a is not None)
         self._inbox.put(_BatchDone(done, shed, time.monotonic() - started))
+
+    @staticmethod
+    def _shed(semaphore: str, jobs: list[Round]) -> list[list[int | None]]:
+        """Per round, which requests superseded ones are answered by (shedding.py)."""
+        try:
+            return [answered_by([r.body for r in job.requests], semaphore=semaphore,
+                                key=job.key_id[1]) for job in jobs]
+        except Exception:  # a bug here must not cost the batch: nothing is shed
+            logger.exception("durability holder: shedding superseded requests failed")
+            return [[None] * len(job.requests) for job in jobs]
 
     def _run_reclaim(self, job: Reclaim) -> None:
         semaphore, key = job.key_id
