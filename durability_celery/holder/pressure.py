@@ -23,8 +23,11 @@ from typing import Any
 logger = logging.getLogger("durability_celery.holder")
 
 TARGET_LAG_SHARE = 0.25
-"""Lag the holder aims at, as a share of the shortest round_period it serves; more
-stretches the period, less (half of it) lets the stretch shrink back."""
+"""Lag the holder aims at, as a share of the shortest round_period it serves (at least
+MIN_TARGET_LAG); more stretches the period, less (half of it) lets it shrink back."""
+MIN_TARGET_LAG = 0.2
+"""A round batch takes tens of milliseconds anyway: with very short periods, a holder
+is not behind for that."""
 OVERLOAD_LAG = 1.0
 """Seconds of lag that make the holder overloaded even before it stretches anything."""
 MAX_STRETCH = 8.0
@@ -79,8 +82,8 @@ class Pressure:
     def behind(self) -> bool:
         """Due work waited past the target lag lately, or periods are stretched: no
         reply tells its client to ask again before a (stretched) period."""
-        target = TARGET_LAG_SHARE * self._shortest_period()
-        return self.stretch > 1.0 or max(self._peak, self._last_peak) > target
+        return self.stretch > 1.0 or max(self._peak, self._last_peak) > _target(
+            self._shortest_period())
 
     def waited(self, seconds: float) -> None:
         """Requests waited `seconds` where the lag of due work cannot see them: in a
@@ -105,7 +108,7 @@ class Pressure:
     def _adjust(self, shortest: float) -> float:
         """Change the stretch by the lag seen since the last change; returns how long
         until the next one."""
-        target = TARGET_LAG_SHARE * shortest
+        target = _target(shortest)
         peak, self._peak = self._peak, 0.0
         growing = peak >= self._last_peak
         self._last_peak = peak
@@ -143,3 +146,7 @@ class Pressure:
         round_at, told = response.get("round_at"), response.get("next_request_at")
         if isinstance(round_at, int | float) and isinstance(told, int | float):
             response["next_request_at"] = max(told, round_at + self.period(round_period))
+
+
+def _target(shortest_period: float) -> float:
+    return max(MIN_TARGET_LAG, TARGET_LAG_SHARE * shortest_period)
