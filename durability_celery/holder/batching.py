@@ -128,6 +128,7 @@ class _Slot:
     """client_id -> arrival of its last request: a key busy for good forgets the
     clients gone quiet (see Batcher._forget_quiet_clients)."""
     quiet_check_at: float = -math.inf
+    """When _forget_quiet_clients looks at `heard` next."""
     period: float | None = None
     """The period the last round told its clients, when longer than the semaphore's
     round_period (an overloaded holder stretches it: holder/pressure.py)."""

@@ -70,6 +70,7 @@ class Pressure:
         self._last_peak = 0.0
         self._next_adjust: float | None = None
         self._next_log = 0.0
+        self._warned = False
 
     def view(self) -> PressureView:
         return PressureView(self.overloaded, self.stretch, self.lag, self.waiting, self.shed)
@@ -92,7 +93,9 @@ class Pressure:
         self._peak = max(self._peak, seconds)
 
     def observe(self, now: float, lag: float, waiting: int) -> None:
-        """The dispatcher's look at its due jobs: adjust the stretch about once a period."""
+        """The dispatcher's look at its due jobs (`lag`: how late the earliest is): the
+        stretch grows at each look (MIN_ADJUST apart) while the lag does, and shrinks
+        at most once a period."""
         self.waiting = waiting
         self._peak = max(self._peak, lag)
         shortest = self._shortest_period()
@@ -126,14 +129,17 @@ class Pressure:
         return max(MIN_ADJUST, shortest)
 
     def _log(self, now: float, overloaded: bool) -> None:
-        if overloaded and (not self.overloaded or now >= self._next_log):
+        # At most one warning per LOG_EVERY, however often the overload comes and goes.
+        if overloaded and now >= self._next_log:
             self._next_log = now + LOG_EVERY
+            self._warned = True
             logger.warning(
                 "durability holder: overloaded: requests wait up to %.1f s, %d waiting for "
                 "rounds, periods stretched x%.2f, %d superseded requests shed; more holders "
                 "(--durability-shards) would help", self.lag, self.waiting, self.stretch,
                 self.shed)
-        elif self.overloaded and not overloaded:
+        elif self._warned and not overloaded:
+            self._warned = False
             logger.info("durability holder: no longer overloaded")
 
     def stretch_reply(self, response: dict[str, Any], round_period: float) -> None:

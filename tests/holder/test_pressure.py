@@ -93,3 +93,14 @@ def test_parked_requests_wait_for_the_period_their_round_told() -> None:
     b.finished(key, round_at=at, blocked=blocked)  # no longer stretched
     b.add(key, Waiting(body, None, None, at + 0.01))
     assert b.round_at(key) == pytest.approx(at + PERIOD + GATHER)
+
+
+def test_an_overload_that_comes_and_goes_is_logged_once_per_log_every(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pressure = Pressure(lambda: PERIOD)
+    with caplog.at_level("INFO", logger="durability_celery.holder"):
+        for now in range(0, 60, 2):  # on at even seconds, off at odd ones
+            pressure._log(float(now), overloaded=True)
+            pressure._log(now + 1.0, overloaded=False)
+    assert caplog.text.count("durability holder: overloaded") == 2  # at 0 and 30 s
+    assert caplog.text.count("no longer overloaded") == 2  # after each warning
