@@ -31,7 +31,11 @@ is not behind for that."""
 OVERLOAD_LAG = 1.0
 """Seconds of lag that make the holder overloaded even before it stretches anything."""
 MAX_STRETCH = 8.0
-"""The longest a period is stretched: past it, requests wait (and more holders are due)."""
+"""The most a period is stretched, unless that is shorter than MAX_STRETCHED_PERIOD:
+past it, requests wait (and more holders are due)."""
+MAX_STRETCHED_PERIOD = 10.0
+"""Seconds a stretched period may reach whatever its round_period: a semaphore of very
+short rounds (0.05 s) is relieved only by far more than MAX_STRETCH."""
 SHRINK = 0.85
 """Factor the stretch shrinks by per period without lag: gradual, as load comes back."""
 MIN_ADJUST = 0.25
@@ -77,7 +81,7 @@ class Pressure:
 
     def period(self, round_period: float) -> float:
         """`round_period` as the holder serves it now."""
-        return round_period * self.stretch
+        return round_period * min(self.stretch, _most(round_period))
 
     @property
     def behind(self) -> bool:
@@ -120,7 +124,7 @@ class Pressure:
             # the holder. Too much is the safe side (they ask a little less often),
             # so it grows at each look while the lag does: a request already parked
             # waits for the period its reply told plus the lag.
-            self.stretch = min(MAX_STRETCH, self.stretch + (peak - target) / shortest)
+            self.stretch = min(_most(shortest), self.stretch + (peak - target) / shortest)
             return MIN_ADJUST
         if peak < target / 2 and self.stretch > 1.0:
             self.stretch = max(1.0, self.stretch * SHRINK)
@@ -156,3 +160,8 @@ class Pressure:
 
 def _target(shortest_period: float) -> float:
     return max(MIN_TARGET_LAG, TARGET_LAG_SHARE * shortest_period)
+
+
+def _most(round_period: float) -> float:
+    """The largest stretch of `round_period`."""
+    return max(MAX_STRETCH, MAX_STRETCHED_PERIOD / round_period)

@@ -8,7 +8,7 @@ import pytest
 
 from durability_celery.holder import pressure as pressure_module
 from durability_celery.holder.batching import GATHER, Batcher, Waiting
-from durability_celery.holder.pressure import MAX_STRETCH, Pressure
+from durability_celery.holder.pressure import MAX_STRETCH, MAX_STRETCHED_PERIOD, Pressure
 
 PERIOD = 2.0
 
@@ -53,6 +53,12 @@ def test_the_stretch_is_capped() -> None:
     pressure = Pressure(lambda: PERIOD)
     behind(pressure, 0.0, 300.0, lag=30.0)
     assert pressure.stretch == MAX_STRETCH
+    # Very short rounds may stretch to MAX_STRETCHED_PERIOD; a longer period of the
+    # same holder still by MAX_STRETCH at most.
+    short = Pressure(lambda: 0.05)
+    behind(short, 0.0, 300.0, lag=30.0)
+    assert short.period(0.05) == pytest.approx(MAX_STRETCHED_PERIOD)
+    assert short.period(PERIOD) == PERIOD * MAX_STRETCH
 
 
 def test_without_lag_the_stretch_shrinks_back_and_the_overload_ends(
