@@ -59,6 +59,9 @@ CAP = 120.0
 """Seconds a run's tasks may take before it is cut (and reported as cut)."""
 USAGE_CAP = 15.0
 USAGE_POLL = 0.05
+FREE_KEY_SAMPLES = 15
+FREE_KEY_TITLE = "(d) free keys, one task at a time, on the Quickstart's 2 x prefork x 2"
+"""Tasks per variant and pass in the free-key probe, one at a time."""
 
 
 @dataclass(frozen=True)
@@ -291,6 +294,22 @@ def one_run(cluster: Cluster, deployment: Deployment, variant: str,
     return result
 
 
+def free_key_run(cluster: Cluster, variant: str, passage: int) -> dict[str, Any]:
+    """On the idle fleet, one task at a time, each on a key of its own whose limit covers
+    it: publish to start is what admitting a free key costs (one holder round trip)."""
+    run = f"fl-free-{variant}-{secrets.token_hex(3)}"
+    task = cluster.app.tasks[f"fleet.{variant}"]
+    for n in range(FREE_KEY_SAMPLES):
+        task.apply_async(kwargs={"run": run, "account": f"4:{run}:{n}", "group": None,
+                                 "work": 0.0, "published_at": time.time()})
+        _settle(cluster, run, n + 1, CAP)
+        time.sleep(0.05)  # each one alone: nothing else in flight
+    rows = parse(cluster.lines(run))
+    return {"deployment": "free-key", "title": FREE_KEY_TITLE, "variant": variant,
+            "pass": passage, "tasks": FREE_KEY_SAMPLES, "done": len(rows),
+            "first_ms": [(r.start - r.published) * 1000 for r in rows]}
+
+
 def warm(cluster: Cluster, variants: Sequence[str], slots: int) -> None:
     """A pool's worth of no-op tasks per variant on a throwaway key: connections and
     pool children, which every deployment pays once, not per burst."""
@@ -327,6 +346,13 @@ def describe(row: dict[str, Any]) -> str:
             f"{statistics.median(row['first_ms']):.0f} ms" + "".join(f", {n}" for n in notes))
 
 
+def describe_free(row: dict[str, Any]) -> str:
+    ms = row["first_ms"]
+    return (f"  free-key    pass {row['pass'] + 1} {row['variant']:<6} publish to start p50 "
+            f"{statistics.median(ms):.1f} ms, max {max(ms):.1f} ms ({len(ms)} tasks)"
+            if ms else f"  free-key    pass {row['pass'] + 1} {row['variant']:<6} no task ran")
+
+
 def run_fleets(database: str, *, passes: int, variants: Sequence[str] = VARIANTS,
                only: Sequence[str] = (),
                say: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -344,10 +370,15 @@ def run_fleets(database: str, *, passes: int, variants: Sequence[str] = VARIANTS
         with running(config, workers=workers, log_dir=LOG_DIR, label=label) as cluster:
             warm(cluster, variants, deployments[0].slots)
             for passage in range(passes):
+                order = variants if passage % 2 == 0 else variants[::-1]
                 for deployment in deployments:
-                    for variant in variants if passage % 2 == 0 else variants[::-1]:
+                    for variant in order:
                         rows.append(one_run(cluster, deployment, variant, passage))
                         say(describe(rows[-1]))
+                if deployments[0].workers == QUICKSTART:
+                    for variant in order:
+                        rows.append(free_key_run(cluster, variant, passage))
+                        say(describe_free(rows[-1]))
     return rows
 
 

@@ -55,6 +55,9 @@ class DurabilitySettings:
     default: never; DurabilitySemaphore.prune). At least each semaphore's round_period."""
     prune_interval: float = 3600.0
     """How often beat prunes when `prune_after` is set."""
+    metrics_key_labels: bool = False
+    """Give the metric series counted per key a `key` label (docs/operations.md, "Metrics").
+    Off by default: every key becomes a series of its own, and keys may be countless."""
 
     def __post_init__(self) -> None:
         _check_range("shards", self.shards, 1, 4096)
@@ -80,6 +83,8 @@ class DurabilitySettings:
         _check_range("prune_interval", self.prune_interval, 1, 7 * 86400)
         if not isinstance(self.supports_leases, bool):
             raise ConfigurationError("supports_leases must be a bool")
+        if not isinstance(self.metrics_key_labels, bool):
+            raise ConfigurationError("metrics_key_labels must be a bool")
 
     def claim_margin_for(self, grant_timeout: float) -> float:
         """The claim margin used for a semaphore with this grant_timeout."""

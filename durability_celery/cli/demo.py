@@ -240,7 +240,7 @@ def _watch(args: argparse.Namespace, run: DemoRun, sem: Any, children: Children,
         while True:
             snap = snapshot(run, sem, published, started_at)
             live.update(live_view(snap))
-            if svg and snap.done >= snap.total // 3:
+            if svg and (snap.done or 0) >= (snap.total or 0) // 3:
                 _save_svg(snap, Path(svg))
                 svg = None
             if snap.done == snap.total or time.monotonic() > deadline:

@@ -1,5 +1,5 @@
 # The `durability-celery` command (also `python -m durability_celery`): demo,
-# usage, migrate, prune, holder. Rule: an error the user can fix (database or broker
+# usage, migrate, prune, why, top, holder. Rule: an error the user can fix (database or broker
 # unreachable, unknown semaphore, bad configuration) prints ONE line on stderr
 # and exits 1, never a traceback.
 from __future__ import annotations
@@ -25,6 +25,25 @@ def _add_source_options(parser: argparse.ArgumentParser) -> None:
         "--database", metavar="URL",
         help="database URL (overrides DURABILITY_DATABASE_URL; ignored with --app)",
     )
+
+
+def _add_live_options(parser: argparse.ArgumentParser) -> None:
+    """Options of the commands that ask running workers (why, top)."""
+    parser.add_argument("-A", "--app", metavar="MODULE", default="worker_config",
+                        help="your Celery module (module or module:attr; default: "
+                        "worker_config)")
+    parser.add_argument("--timeout", type=_seconds, default=1.0, metavar="SECONDS",
+                        help="how long to wait for the workers' answers (default 1)")
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 60:
+        raise argparse.ArgumentTypeError(f"must be seconds between 0 and 60, got {raw!r}")
+    return value
 
 
 def _version() -> str:
@@ -85,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="semaphores to prune (default: every configured one)")
     _add_source_options(prune)
 
+    why = commands.add_parser(
+        "why", help="why a task waits: its worker, key, group, reason and place in line")
+    why.add_argument("task_id", metavar="TASK_ID", help="the task's id (what .delay() returned)")
+    _add_live_options(why)
+    why.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    top = commands.add_parser(
+        "top", help="a live view of a running deployment's busiest keys")
+    _add_live_options(top)
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--limit", type=int, default=10, metavar="N",
+                     help="show the N busiest keys (default 10)")
+    top.add_argument("--json", action="store_true", help="print one frame as JSON and exit")
+
     holder = commands.add_parser(
         "holder", help="start a holder worker (runs celery ... worker --durability-holder)")
     holder.add_argument("-A", "--app", metavar="MODULE", default="worker_config",
@@ -116,6 +149,14 @@ def run(argv: Sequence[str]) -> int:
         from .commands import prune_command
 
         return prune_command(args)
+    if args.command == "why":
+        from .why import why_command
+
+        return why_command(args)
+    if args.command == "top":
+        from .top import top_command
+
+        return top_command(args)
     from .commands import holder_command
 
     return holder_command(args)

@@ -1,6 +1,8 @@
-# How the CLI draws things with rich: the usage table, the demo's live view
-# (one table per account plus a progress bar) and its verdict. Rule: rendering
-# only; every number shown comes from a Snapshot or Verdict built elsewhere.
+# How the CLI draws things with rich: the usage table, the live view of busy
+# keys (one panel per key: the demo's accounts, or `top`'s busiest keys of a
+# running deployment) and the demo's verdict. Rule: rendering only; every
+# number shown comes from a Snapshot or Verdict built elsewhere (the demo's
+# ledger, or the workers' inspect replies and the holder's usage).
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -51,19 +53,22 @@ class GroupView:
     running: int
     ceiling: int | None
     blocked: str | None
+    held: int | None = None
+    """Tasks of the group held by the workers' gates (`top`; the demo does not count them)."""
 
 
 @dataclass
 class AccountView:
-    """One account in the live view (ledger numbers and the holder's numbers)."""
+    """One key in the live view: the demo ledger's or the workers' numbers, and the
+    holder's. `done`, `total` and `peak` only the demo's ledger knows."""
 
     account: str
-    limit: int
+    limit: int | None
     running: int
     queued: int
-    done: int
-    total: int
-    peak: int
+    done: int | None = None
+    total: int | None = None
+    peak: int | None = None
     in_use: int | None = None
     leases: int = 0
     lease_footprint: int = 0
@@ -74,32 +79,48 @@ class AccountView:
 class Snapshot:
     title: str
     elapsed: float
-    done: int
-    total: int
+    done: int | None
+    total: int | None
     accounts: list[AccountView]
+    group_label: str = "workflow"
+    queued_label: str = "queued"
+    footer: str | None = None
+    """Shown instead of the progress bar when there is no total (`top`)."""
 
 
-def _account_table(view: AccountView) -> Table:
-    style = "red bold" if view.running > view.limit else "green"
+def _count(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
+def _account_table(view: AccountView, snapshot: Snapshot) -> Table:
+    limit = view.limit if view.limit is not None else 0
+    over = "red bold" if view.limit is not None and view.running > view.limit else "green"
     table = Table(show_header=True, header_style="dim", expand=True, box=None)
-    for column in ("workflow", "running", "ceiling", "blocked"):
-        table.add_column(column, justify="right" if column in ("running", "ceiling") else "left")
+    held = any(group.held is not None for group in view.groups)
+    columns = [snapshot.group_label, "running", *(["held"] if held else []), "ceiling",
+               "blocked"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in (columns[0], "blocked")
+                         else "right")
     for group in view.groups:
         table.add_row(
             _group_name(group.group), str(group.running),
+            *([_count(group.held)] if held else []),
             "-" if group.ceiling is None else str(group.ceiling),
             Text(group.blocked or "", style="yellow"),
         )
-    in_use = "?" if view.in_use is None else str(view.in_use)
+    peak: list[tuple[str, str]] = [] if view.peak is None else [
+        ("  peak ", "dim"), (str(view.peak), "red bold" if view.peak > limit else "bold")]
+    done: list[tuple[str, str]] = [] if view.done is None else [
+        ("  done ", "dim"), (f"{view.done}/{_count(view.total)}", "bold")]
     header = Text.assemble(
-        ("running ", "dim"), (f"{view.running}/{view.limit}", style),
-        ("  peak ", "dim"), (str(view.peak), "red bold" if view.peak > view.limit else "bold"),
-        ("  queued ", "dim"), (str(view.queued), "bold"),
-        ("\nholder: in use ", "dim"), (in_use, "bold"),
+        ("running ", "dim"), (f"{view.running}/{_count(view.limit)}", over), *peak,
+        (f"  {snapshot.queued_label} ", "dim"), (str(view.queued), "bold"),
+        ("\nholder: in use ", "dim"), (_count(view.in_use), "bold"),
         ("  leases ", "dim"), (f"{view.leases} ({view.lease_footprint} permits)", "bold"),
-        ("  done ", "dim"), (f"{view.done}/{view.total}", "bold"),
+        *done,
     )
-    bar = ProgressBar(total=max(view.limit, 1), completed=min(view.running, view.limit), width=30)
+    bar = ProgressBar(total=max(limit, 1), completed=min(view.running, limit), width=30)
     outer = Table.grid()
     outer.add_row(header)
     outer.add_row(bar)
@@ -108,12 +129,15 @@ def _account_table(view: AccountView) -> Table:
 
 
 def live_view(snapshot: Snapshot) -> RenderableType:
-    """The demo's live frame: one panel per account, then the whole run's progress."""
+    """One frame: a panel per key, then the demo run's progress (or the footer)."""
     panels = [
-        Panel(_account_table(view), title=f"[bold]{view.account}[/] limit {view.limit}",
-              title_align="left")
+        Panel(_account_table(view, snapshot), title=Text.assemble(
+            (view.account, "bold"), f" limit {_count(view.limit)}"), title_align="left")
         for view in snapshot.accounts
     ]
+    if snapshot.done is None or snapshot.total is None:
+        footer = Text(snapshot.footer or "", style="dim")
+        return Group(Text(snapshot.title, style="bold cyan"), *panels, footer)
     progress = Table.grid(padding=(0, 1))
     progress.add_row(
         Text(f"{snapshot.done}/{snapshot.total} tasks", style="bold"),

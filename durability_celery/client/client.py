@@ -641,11 +641,17 @@ class SemaphoreClient:
         are: the holder must hear of them before their deadline, and a worker
         killed before it tells would leave the holder to give them out again."""
         sent = ledger.in_flight
-        if (sent is None or self.supersede_after is None or ledger.superseded is not None
-                or self._stopped):
+        if sent is None or self.supersede_after is None or self._stopped:
             return None
-        if ledger.returned or (ledger.urgent and ledger.report_total() > sent.reported):
-            return sent.sent_at  # capacity back: the holder's prompt round wants it now
+        if ledger.returned or (ledger.urgent and ledger.released_total() > sent.released):
+            # Capacity back: the holder's prompt round wants it now, even past a message
+            # already superseding (a blocked client's request may wait at the holder
+            # for a round_period). Each such message follows a release or a return.
+            return sent.sent_at
+        if ledger.superseded is not None:
+            return None
+        if ledger.urgent and ledger.report_total() > sent.reported:
+            return sent.sent_at  # claims too: the holder must hear them before the deadline
         if self.supersede_demand and (
                 sum(e.count for e in self._within_room(key, *uncovered)) > sent.asked):
             return sent.sent_at + self.supersede_after

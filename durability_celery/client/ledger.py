@@ -160,6 +160,8 @@ class InFlight:
     """Items its demand asked for, over all groups."""
     reported: int = 0
     """What its reports added up to (see KeyLedger.report_total)."""
+    released: int = 0
+    """Its release marks, summed (see KeyLedger.released_total)."""
 
 
 @dataclass
@@ -179,7 +181,9 @@ class KeyLedger:
     """Unused grant permits were given back since the last message: report at once."""
     in_flight: InFlight | None = None
     superseded: InFlight | None = None
-    """An older message still in flight when `in_flight` was sent (see SemaphoreClient)."""
+    """The oldest message still in flight when `in_flight` was sent (see SemaphoreClient)."""
+    superseded_count: int = 0
+    """How many messages older than `in_flight` are still awaited (superseded is the oldest)."""
     last_sent_at: float | None = None
     failures: int = 0
     backoff_until: float = 0.0
@@ -203,9 +207,12 @@ class KeyLedger:
         """A message goes out; one sent while another is in flight supersedes it, and
         the oldest unanswered one is kept: its send time anchors deadlines safely."""
         stopped = frozenset(le.lease_id for le in self.leases.values() if le.stopped)
-        if self.in_flight is not None and self.superseded is None:
-            self.superseded = self.in_flight
-        self.in_flight = InFlight(now, stopped, asked, self.report_total())
+        if self.in_flight is not None:
+            if self.superseded is None:
+                self.superseded = self.in_flight
+            self.superseded_count += 1
+        self.in_flight = InFlight(now, stopped, asked, self.report_total(),
+                                  self.released_total())
         self.last_sent_at = now
         self.returned = False
 
@@ -214,6 +221,12 @@ class KeyLedger:
         (Forgetting a finished copy lowers it; that only hides news for a moment.)"""
         return (sum(g.claimed + g.released for g in self.grants.values())
                 + sum(le.drawn + le.released + le.stopped for le in self.leases.values()))
+
+    def released_total(self) -> int:
+        """Release marks of grants and leases and stopped leases (their undrawn permits go
+        back), summed: it grows as capacity comes back."""
+        return (sum(g.released for g in self.grants.values())
+                + sum(le.released + le.stopped for le in self.leases.values()))
 
     def _nothing_in_use(self) -> bool:
         """No grant permit of the key in use here (a key with leases keeps its cadence:
@@ -235,13 +248,20 @@ class KeyLedger:
         `superseded`: only the older message a newer one superseded failed; the
         newer one carries everything it did, so nothing else changes."""
         if superseded:
-            self.superseded = None
+            self._older_answered()
             return
         self.in_flight = self.superseded = None
+        self.superseded_count = 0
         self.failures += 1
         wait = BACKOFF_BASE * 2 ** min(self.failures - 1, 16)
         self.backoff_until = now + min(cap, BACKOFF_MAX, wait)
         self.last_error = reason
+
+    def _older_answered(self) -> None:
+        """One of the messages older than `in_flight` was answered (or failed)."""
+        self.superseded_count = max(0, self.superseded_count - 1)
+        if not self.superseded_count:
+            self.superseded = None
 
     # -- receiving -----------------------------------------------------------
 
@@ -253,13 +273,16 @@ class KeyLedger:
         newer one stays in flight. A reply to the newer one answers both: it
         lists every grant and lease, from a round no older than the other's."""
         if superseded:
-            in_flight, self.superseded = self.superseded, None
+            # The oldest awaited message's send time anchors any older one's reply safely.
+            in_flight = self.superseded
             sent_at = in_flight.sent_at if in_flight else self.last_sent_at
+            self._older_answered()
         else:
             in_flight = self.in_flight
             oldest = self.superseded or in_flight
             sent_at = oldest.sent_at if oldest else self.last_sent_at
             self.in_flight = self.superseded = None
+            self.superseded_count = 0
         anchor = min(reply.round_at, sent_at if sent_at is not None else now)
         latest = reply.round_at >= self.last_round_at
         self.failures = 0
@@ -445,11 +468,12 @@ class KeyLedger:
         Reports wait for `next_request_at` unless others are waiting (the last
         reply was contended or blocked) or the client is shutting down. While a
         message is in flight, only its timeout or `supersede_at` (the client
-        has news for the round it waits for) makes the key due.
+        has news for the round it waits for, see SemaphoreClient._supersede_at) makes
+        the key due.
         """
         if self.in_flight is not None:
             at = self.in_flight.sent_at + timeout
-            if supersede_at is not None and self.superseded is None:
+            if supersede_at is not None:
                 at = min(at, max(supersede_at, self.backoff_until))
             return at
         gate = max(self.next_request_at, self.backoff_until)

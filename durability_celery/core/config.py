@@ -90,7 +90,7 @@ class Leases:
     permits_per_lease: int = 64
     ttl: float = 1800.0
     limited_groups: LimitedGroups = "exclude"
-    idle: float | None = 5.0
+    idle: float | None = 0.5
     """Seconds after which a client returns a lease nothing has drawn from or released to,
     with nothing queued or running in its group; None keeps it until a contended round
     or `ttl`, as the spec does (its undrawn permits stay counted meanwhile)."""

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .batching import Batcher, KeyId, Reclaim, Round, Waiting
 from .outcomes import (
@@ -32,6 +32,9 @@ from .pressure import Pressure
 from .queues import error_reply
 from .replies import ReplyPublisher
 from .shedding import answered_by
+
+if TYPE_CHECKING:
+    from ..metrics import HolderMetrics
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -107,8 +110,10 @@ class Dispatcher(threading.Thread):
         round_threads: int,
         scan_interval: float,
         clock: Callable[[], float] = time.time,
+        metrics: HolderMetrics | None = None,
     ) -> None:
         super().__init__(name="durability-holder-dispatcher", daemon=True)
+        self._metrics = metrics
         self._semaphores = semaphores
         self._serves = serves
         self._publisher = publisher
@@ -270,7 +275,10 @@ class Dispatcher(threading.Thread):
     def _check_overload(self, now: float) -> None:
         wake = self._batcher.next_wake()  # may be stale, never later than the first due job
         lag = 0.0 if wake is None else now - wake
-        self.pressure.observe(now, lag, self._batcher.waiting_count())
+        pressure = self.pressure
+        pressure.observe(now, lag, self._batcher.waiting_count())
+        if self._metrics is not None:
+            self._metrics.load(pressure.lag, pressure.waiting, pressure.overloaded)
 
     def _submit(self, run: Callable[[Any], None], job: object) -> None:
         self._running += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,8 +23,11 @@ _EXPIRY_CACHE = 10_000
 class ReplyPublisher:
     """Sends replies through the default exchange with the request's correlation id."""
 
-    def __init__(self, app: Any, *, reply_expires: float) -> None:
+    def __init__(self, app: Any, *, reply_expires: float,
+                 sent: Callable[[dict[str, Any]], None] | None = None) -> None:
         self._app = app
+        self._sent = sent
+        """Told of each reply handed to the broker (the holder's metrics)."""
         self._reply_expires_ms = int(reply_expires * 1000)
         self._connection: Any = None
         self._producer: Any = None
@@ -78,6 +81,8 @@ class ReplyPublisher:
                 self._batched += 1
             else:
                 self._expire_pushed()
+            if self._sent is not None:
+                self._sent(body)
             return True
         except Exception as exc:
             logger.warning("durability holder: reply to %s dropped: %r", reply_to, exc)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -19,6 +19,8 @@ from .replies import ReplyPublisher
 
 if TYPE_CHECKING:
     from ..app import Durability
+    from ..metrics import HolderMetrics
+    from ..semaphore import DurabilitySemaphore
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -27,7 +29,8 @@ class Holder:
     """The holder role for `shards` (all shards when None) of one Durability configuration."""
 
     def __init__(self, durability: Durability, *, shards: Iterable[int] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 metrics: HolderMetrics | None = None) -> None:
         settings = durability.settings
         self.shards = sorted(set(range(settings.shards) if shards is None else shards))
         served = frozenset(self.shards)
@@ -35,13 +38,18 @@ class Holder:
         def serves(semaphore: str, key: str) -> bool:
             return shard_for(semaphore, key, settings.shards) in served
 
+        semaphores: dict[str, Any] = dict(durability.semaphores)
+        if metrics is not None:
+            semaphores = {name: Counted(s, metrics) for name, s in semaphores.items()}
         self.dispatcher = Dispatcher(
-            semaphores=durability.semaphores,
+            semaphores=semaphores,
             serves=serves,
-            publisher=ReplyPublisher(durability.app, reply_expires=settings.reply_expires),
+            publisher=ReplyPublisher(durability.app, reply_expires=settings.reply_expires,
+                                     sent=metrics.reply if metrics else None),
             round_threads=settings.round_threads,
             scan_interval=settings.reclaim_interval,
             clock=clock,
+            metrics=metrics,
         )
         self._semaphores = durability.semaphores
         self.consumer = HolderConsumer(
@@ -79,6 +87,43 @@ class Holder:
         self.consumer.stop(timeout=max(0.1, deadline - time.monotonic()))
         self.dispatcher.stop(timeout=max(0.1, deadline - time.monotonic()))
         logger.info("durability holder: stopped")
+
+
+class Counted:
+    """A semaphore as the dispatcher sees it, with its rounds, reclaims and deadline scans
+    counted in the holder's metrics: the store's calls are where each one happens."""
+
+    def __init__(self, semaphore: DurabilitySemaphore, metrics: HolderMetrics) -> None:
+        self._semaphore = semaphore
+        self._metrics = metrics
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._semaphore, name)
+
+    def run_rounds(self, batch: Sequence[tuple[str, Sequence[object]]],
+                   **options: Any) -> list[Any]:
+        started = time.monotonic()
+        results: list[Any] | None = None
+        try:
+            results = self._semaphore.run_rounds(batch, **options)
+            return results
+        finally:
+            self._metrics.batch(self._semaphore.name, [key for key, _ in batch],
+                                time.monotonic() - started, results)
+
+    def reclaim(self, key: str, **options: Any) -> float | None:
+        try:
+            return self._semaphore.reclaim(key, **options)
+        except Exception:
+            self._metrics.errors.labels(self._semaphore.name, "reclaim").inc()
+            raise
+
+    def deadlines(self) -> list[tuple[str, float]]:
+        try:
+            return self._semaphore.deadlines()
+        except Exception:
+            self._metrics.errors.labels(self._semaphore.name, "scan").inc()
+            raise
 
 
 def parse_shards(spec: str | None, shards: int) -> list[int] | None:

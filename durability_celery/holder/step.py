@@ -10,6 +10,7 @@ import click
 from celery import bootsteps
 
 from ..errors import ConfigurationError
+from ..metrics import served_by
 from .service import Holder, parse_shards
 
 logger = logging.getLogger("durability_celery.holder")
@@ -40,7 +41,9 @@ class HolderStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is un
         return self
 
     def start(self, parent: Any) -> None:
-        self.holder = Holder(self.durability, shards=self.shards)
+        metrics = served_by(parent)
+        self.holder = Holder(self.durability, shards=self.shards,
+                             metrics=metrics.holder() if metrics else None)
         self.holder.start()
 
     def stop(self, parent: Any) -> None:

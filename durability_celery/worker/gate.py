@@ -78,14 +78,18 @@ class Hooks:
     called by `submit` and `release` once the lock is released, and by the step after
     each pump. Re-entered from a task it runs, it returns: the outer call goes on. None:
     `handoff` defers nothing (every pool but solo), and there is nothing to call."""
+    admitted: Callable[[str, str, str, float], None] | None = None
+    """Told of each admission: semaphore, key, permit source, seconds held (metrics)."""
+    unanswered: Callable[[str, str], None] | None = None
+    """Told when a key's holder leaves its requests unanswered (metrics)."""
 
 
 @dataclass
 class _InFlight:
     correlation_id: str
     sent_at: float
-    superseded: str | None = None
-    """The correlation id of the older message this one superseded, still answered."""
+    older: tuple[str, ...] = ()
+    """Correlation ids of the older messages this one superseded, still answered."""
 
 
 @dataclass
@@ -362,6 +366,8 @@ class Gate:
                         "durability: no answer from the holder of %s/%s (%s) while %d "
                         "task(s) wait; is a holder running for it (celery -A proj worker "
                         "--durability-holder)?", name, key, error, sum(groups.values()))
+                    if self.hooks.unanswered is not None:
+                        self.hooks.unanswered(name, key)
 
     def _return_unused(self) -> bool:
         """Grant permits an admission left unclaimed beyond what the pool can start soon
@@ -453,18 +459,22 @@ class Gate:
         if entry.raised_qos:
             self.state.raised -= 1
             self.hooks.qos_decrement()
-        return self._run(semaphore, entry.request, permit)
+        return self._run(semaphore, entry.request, permit, held_since=entry.held_since)
 
     def _run(self, semaphore: str, request: Any, permit: Permit, *,
-             revoked: bool | None = None) -> int:
+             revoked: bool | None = None, held_since: float | None = None) -> int:
         """Hand an admitted request to the pool; 0 if it was revoked meanwhile (`revoked`:
-        whether it is, if known; None asks)."""
+        whether it is, if known; None asks). `held_since`: when it was held (None: never)."""
         if revoked or (revoked is None and _revoked(request)):
             # Never ran: its permit goes on to the next held task, as if it had ended.
             successor = self.clients[semaphore].pass_on(permit.item_id)
             return self._start(semaphore, successor) if successor else 0
         self.state.running[permit.item_id] = semaphore
-        self.state.admitted_from["handoff" if permit.handed_off else permit.source] += 1
+        source = "handoff" if permit.handed_off else permit.source
+        self.state.admitted_from[source] += 1
+        if self.hooks.admitted is not None:
+            held = 0.0 if held_since is None else self.clock() - held_since
+            self.hooks.admitted(semaphore, permit.key, source, held)
         instrument(request, permit.item_id, self._release_hook)
         self.hooks.handoff(request)
         return 1
@@ -551,10 +561,10 @@ class Gate:
                 # SemaphoreClient.supersede_after); a late reply to any older one is
                 # dropped: the next reply lists every grant and lease anyway.
                 previous = self.state.in_flight.get((name, key))
-                superseded = None
+                older: tuple[str, ...] = ()
                 if previous is not None and client.superseding(key):
-                    superseded = previous.superseded or previous.correlation_id
-                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now, superseded)
+                    older = (*previous.older, previous.correlation_id)
+                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now, older)
                 out.append(Outgoing(name, key, correlation_id, body))
         return out
 
@@ -571,15 +581,16 @@ class Gate:
         with self.lock:
             self.settle_ended()  # the reply then meets the client as it stands
             match = next((sk for sk, f in self.state.in_flight.items()
-                          if correlation_id in (f.correlation_id, f.superseded)), None)
+                          if correlation_id == f.correlation_id
+                          or correlation_id in f.older), None)
             if match is None:
                 return False
             semaphore, key = match
             client = self.clients[semaphore]
             waiting = self.state.in_flight[match]
-            superseded = correlation_id == waiting.superseded
+            superseded = correlation_id != waiting.correlation_id
             if superseded:
-                waiting.superseded = None
+                waiting.older = tuple(c for c in waiting.older if c != correlation_id)
             else:
                 del self.state.in_flight[match]
             if isinstance(body, dict):

@@ -1,4 +1,5 @@
 # Wires the client side into a Celery app: the gate bootstep for workers, the
+# metrics bootstep and its option (for holder and client workers alike), the
 # before_task_publish hook that stamps key, group and enqueue time on admitted
 # task messages, and the final report on warm shutdown. Rule: each hook is a
 # few lines that turn one Celery event into one call on the gate or task.
@@ -17,6 +18,7 @@ from kombu.messaging import Consumer, Producer
 from ..app import Durability
 from ..errors import DurabilityError
 from . import visibility  # noqa: F401  (registers the durability_held inspect command)
+from .metrics_step import MetricsStep, add_worker_options
 from .step import GateStep
 from .task import HEADER_SEMAPHORE, AdmittedTask, check_at_decoration
 
@@ -34,6 +36,8 @@ def install(durability: Durability) -> None:
     app = durability.app
     step = type("GateStep", (GateStep,), {"durability": durability, "__module__": __name__})
     app.steps["consumer"].add(step)
+    app.steps["worker"].add(MetricsStep)
+    add_worker_options(app)
     _apps.add(app)
     check_at_decoration(app)
     signals.before_task_publish.connect(_stamp_headers, weak=False,

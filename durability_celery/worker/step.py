@@ -22,11 +22,12 @@ from kombu.messaging import Consumer, Producer
 from ..app import Durability
 from ..client import SemaphoreClient
 from ..holder.queues import reply_queue_declaration, safe_queue_part
+from ..metrics import served_by
 from ..routing import reply_queue
 from ..semaphore import DurabilitySemaphore
 from .gate import Gate, Hooks, Outgoing, item_id
 from .teardown import Orphan, give_back, guard_connection_loss, unreturned, watch_pops
-from .visibility import log_summary
+from .visibility import log_summary, occupancy
 
 logger = logging.getLogger("durability_celery.worker")
 
@@ -139,10 +140,14 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         """Admitted requests of a solo pool, to run once the gate's call is done."""
         self._orphans: list[Orphan] = []
         """Messages let go of at the last stop, to give back at the next start."""
+        metrics = served_by(getattr(c, "controller", None))
+        self.metrics = metrics.worker() if metrics else None
         self.hooks = self._hooks(c)
         # Both are final in get_consumers, once the pool and the broker are known.
         self.gate = Gate(self.clients, self.hooks, max_held=settings.max_held or HELD_PER_SLOT,
                          hold_deadline=settings.hold_deadline or DEFAULT_HOLD_DEADLINE)
+        if self.metrics is not None:
+            self.metrics.watch(occupancy(self.gate), self.clients)
         self.producer: Any = None
         """Publishes to holders, on a connection of its own; built on first use."""
         self._connection: Any = None
@@ -199,7 +204,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                      pool_size=pool_size, busy=unadmitted_active,
                      qos_increment=lambda: c.qos.increment_eventually(),
                      qos_decrement=lambda: c.qos.decrement_eventually(),
-                     wake=self._wake, run_deferred=self.run_deferred if solo else None)
+                     wake=self._wake, run_deferred=self.run_deferred if solo else None,
+                     admitted=self.metrics.admitted if self.metrics else None,
+                     unanswered=self.metrics.no_answer if self.metrics else None)
 
     def run_deferred(self) -> None:
         """Run a solo pool's admitted requests, oldest first. A task's end may defer the

@@ -1,8 +1,10 @@
 # What the gate can tell about itself: held and running counts per semaphore,
 # key and group, with the blocked reason of the last reply, for the
 # `durability_held` remote-control command and the periodic log line; and the
-# permits it holds per key, as it has reported them, for `durability_permits`.
-# Rule: read-only, under the gate's lock, JSON-ready.
+# permits it holds per key, as it has reported them, for `durability_permits`;
+# and one task's place in the gate, for `durability_task` and `durability_ahead`
+# (what `durability-celery why` asks). Rule: read-only, under the gate's lock,
+# JSON-ready.
 from __future__ import annotations
 
 import logging
@@ -10,11 +12,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
 from ..client import SemaphoreClient
 from ..client.ledger import KeyLedger
-from .gate import Gate
+from .gate import Gate, Held
 
 logger = logging.getLogger("durability_celery.worker")
 
@@ -49,6 +52,24 @@ def describe(gate: Gate) -> dict[str, Any]:
                 "admitted_from": dict(gate.state.admitted_from),
                 "released": gate.state.released,
                 "keys": rows}
+
+
+def occupancy(gate: Gate) -> Callable[[], list[tuple[str, str, int, int]]]:
+    """(semaphore, key, held, running) of each key the gate holds or runs tasks of, for
+    the metrics' gauges. Read under the lock, from the metrics server's thread: tasks
+    ended in pool threads count as running until the event loop releases them (at its
+    next pump)."""
+    def read() -> list[tuple[str, str, int, int]]:
+        rows = []
+        with gate.lock:
+            for name, client in gate.clients.items():
+                held, running = client.held(), client.running()
+                for key in set(held) | set(running):
+                    rows.append((name, key, sum(held.get(key, {}).values()),
+                                 sum(running.get(key, {}).values())))
+        return rows
+
+    return read
 
 
 def log_summary(gate: Gate) -> None:
@@ -122,6 +143,85 @@ def durability_permits(state: Any) -> dict[str, Any]:
 def durability_held(state: Any) -> dict[str, Any]:
     """Held and running admitted tasks per semaphore, key and group, with blocked reasons."""
     return _of_gate(state, describe)
+
+
+def _held_facts(gate: Gate, item: str, entry: Held, now: float) -> dict[str, Any]:
+    """What a held task waits for, as this worker knows it: the blocked reason and error of
+    its key's last reply, the report in flight, the pool's free slots, and its place among
+    the tasks of its key and group held here (oldest first, as the client admits them)."""
+    client = gate.clients[entry.semaphore]
+    ledger = client.ledgers().get(entry.key)
+    in_flight = ledger.in_flight if ledger is not None else None
+    mine = (entry.enqueued_at, item)
+    ahead = sum(1 for other, held in gate.state.held.items()
+                if (held.semaphore, held.key, held.group) == (entry.semaphore, entry.key,
+                                                               entry.group)
+                and (held.enqueued_at, other) < mine)
+    return {
+        "item": item, "semaphore": entry.semaphore, "key": entry.key, "group": entry.group,
+        "enqueued_at": entry.enqueued_at, "held_for": round(now - entry.held_since, 3),
+        "ahead_here": ahead, "blocked": client.blocked_reason(entry.key, entry.group),
+        "error": client.last_error(entry.key),
+        "waiting_for_reply": None if in_flight is None else round(now - in_flight.sent_at, 3),
+        "next_request_in": None if ledger is None else _next_request_in(ledger, now),
+        "free_slots": gate.hooks.pool_size() - len(gate.state.running) - gate.hooks.busy(),
+    }
+
+
+def find_task(gate: Gate, task_id: str) -> dict[str, Any]:
+    """Where this worker has `task_id`: held by the gate (and why), running on a permit,
+    reserved or running outside the gate (not an admitted task), or not at all."""
+    now = gate.clock()
+    with gate.lock:
+        gate.settle_ended()
+        for item, entry in gate.state.held.items():
+            if entry.request.id == task_id:
+                return {"state": "held", **_held_facts(gate, item, entry, now)}
+        for item, semaphore in gate.state.running.items():
+            permit = (gate.clients[semaphore].permit(item)
+                      if item.rsplit("#", 1)[0] == task_id else None)
+            if permit is not None:
+                return {"state": "running", "item": item, "semaphore": semaphore,
+                        "key": permit.key, "group": permit.group, "source": permit.source,
+                        "running_for": round(now - permit.since, 3)}
+    request = worker_state.requests.get(task_id)
+    if request is not None:
+        active = request in worker_state.active_requests
+        return {"state": "active" if active else "reserved", "task": request.name}
+    return {"state": None}
+
+
+def count_ahead(gate: Gate, semaphore: str, key: str, before: float) -> dict[str, Any]:
+    """Per group of (semaphore, key): the tasks held here enqueued before `before`, all
+    those held here, and those running here."""
+    counts: dict[str | None, list[int]] = {}
+    with gate.lock:
+        gate.settle_ended()
+        for entry in gate.state.held.values():
+            if (entry.semaphore, entry.key) == (semaphore, key):
+                row = counts.setdefault(entry.group, [0, 0, 0])
+                row[0] += entry.enqueued_at < before
+                row[1] += 1
+        client = gate.clients.get(semaphore)
+        running = client.running().get(key, {}) if client is not None else {}
+        for group, count in running.items():
+            counts.setdefault(group, [0, 0, 0])[2] = count
+    return {"groups": [{"group": group, "ahead": ahead, "held": held, "running": run}
+                       for group, (ahead, held, run) in counts.items()]}
+
+
+@inspect_command(args=[("task_id", str)], signature="<task_id>")  # type: ignore[untyped-decorator]
+def durability_task(state: Any, task_id: str) -> dict[str, Any]:
+    """Where this worker has one task: held by the gate (and why), running, or not here."""
+    return _of_gate(state, lambda gate: find_task(gate, task_id))
+
+
+@inspect_command(  # type: ignore[untyped-decorator]
+    args=[("semaphore", str), ("key", str), ("before", float)],
+    signature="<semaphore> <key> <before>")
+def durability_ahead(state: Any, semaphore: str, key: str, before: float) -> dict[str, Any]:
+    """Per group of one key: tasks held here enqueued before `before` (epoch seconds)."""
+    return _of_gate(state, lambda gate: count_ahead(gate, semaphore, key, float(before)))
 
 
 def _of_gate(state: Any, view: Callable[[Gate], dict[str, Any]]) -> dict[str, Any]:

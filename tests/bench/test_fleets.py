@@ -121,6 +121,11 @@ def test_the_summary_judges_admitted_runs_against_the_targets() -> None:
                    limits=[1, 2], slots=2, settle_s=None if variant == "plain" else 0.4)
         row["pass"] = row.pop("pass_")
         rows.append(row)
+    for variant, first_ms in (("plain", [3.0, 4.0]), ("grants", [12.0, 30.0, 31.0])):
+        rows.append({"deployment": "free-key", "title": "(d) free keys", "variant": variant,
+                     "pass": 0, "tasks": len(first_ms), "done": len(first_ms),
+                     "first_ms": first_ms})
     text = "\n".join(fleet_lines(rows))
-    assert "met: idle, usage 0, peak; NOT met: efficiency, first p50" in text
-    assert text.count("NOT met") == 1  # plain Celery is the reference, not judged
+    assert "met: idle with a free slot, usage 0, peak; NOT met: efficiency" in text
+    assert "grants      3    30.0    31.0  first p50 NOT met" in text
+    assert text.count("NOT met") == 2  # plain Celery is the reference, not judged

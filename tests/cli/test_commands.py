@@ -233,7 +233,7 @@ def test_holder_starts_a_holder_worker(processes: Any, tmp_path: Path) -> None:
 def test_help_and_entry_point(cli: Any) -> None:
     done = subprocess_cli("--help")
     assert done.returncode == 0
-    for command in ("demo", "usage", "migrate", "holder"):
+    for command in ("demo", "usage", "migrate", "holder", "why", "top"):
         assert command in done.stdout
     usage_help = subprocess_cli("usage", "--help").stdout
     assert "a configured semaphore's name" in usage_help

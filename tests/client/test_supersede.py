@@ -165,3 +165,55 @@ def test_the_gate_awaits_both_messages_and_drops_what_it_no_longer_awaits() -> N
     assert gate.on_reply(second.correlation_id, answer)
     assert gate.state.in_flight == {}
     assert gate.on_reply(second.correlation_id, answer) is False
+
+
+def test_capacity_back_goes_out_even_past_a_message_already_superseding() -> None:
+    # A blocked client's request may wait at the holder for a round_period: a release
+    # then must not wait behind it, or others idle though the permit is free.
+    clock = FakeClock()
+    client = _granted(clock, permits=1, contended=True)
+    (t1,) = client.admit()
+    _enqueue(client, "t2")
+    client.message(KEY)  # in flight, parked at the holder
+    clock.advance(0.01)
+    client.message(KEY)  # supersedes it (t1's claim), parked too
+    assert client.superseding(KEY) and client.due() == []
+    client.release(t1.item_id)
+    assert client.due() == [KEY]
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+    assert client.due() == []  # nothing new: no third message
+
+
+def test_the_gate_awaits_every_older_message_and_anchors_them_on_the_oldest() -> None:
+    clock = FakeClock()
+    client = _client(clock)
+    none = _NoHooks()
+    gate = Gate({SEM: client}, Hooks(handoff=none, pool_size=lambda: 0, busy=none,
+                                     qos_increment=none, qos_decrement=none, wake=none),
+                max_held=8, hold_deadline=60.0, clock=clock)
+    _enqueue(client, "t1")
+    (asked,) = gate.pump()
+    assert gate.on_reply(asked.correlation_id, reply(clock.now, contended=True, grants=[
+        grant("g1", permits=2, claim_deadline=clock.now + 10)]))
+    (t1,) = client.admit()
+    (first,) = gate.pump()  # the claim: others wait
+    first_sent = clock.now
+    _enqueue(client, "t2", "t3")
+    clock.advance(AFTER)
+    (second,) = gate.pump()  # more demand supersedes it
+    client.release(t1.item_id)
+    (third,) = gate.pump()  # capacity back, past the message already superseding
+    assert gate.state.in_flight[(SEM, KEY)].older == (first.correlation_id,
+                                                      second.correlation_id)
+    # The middle one's reply, from a later round: its grant's claim deadline counts from
+    # the oldest awaited message's send time, the safe anchor.
+    round_at = clock.now + 5.0
+    answer = reply(round_at, contended=True, grants=[
+        grant("g2", permits=1, claim_deadline=round_at + 10)])
+    assert gate.on_reply(second.correlation_id, answer)
+    assert client.ledgers()[KEY].grants["g2"].claim_deadline == first_sent + 10
+    assert client.superseding(KEY)
+    assert gate.on_reply(first.correlation_id, reply(clock.now, contended=True))
+    assert not client.superseding(KEY) and (SEM, KEY) in gate.state.in_flight
+    assert gate.on_reply(third.correlation_id, reply(clock.now, contended=True))
+    assert gate.state.in_flight == {}

@@ -70,12 +70,15 @@ class Cluster:
         self.workers: list[Proc] = []
 
     def start(self, *, holder: bool = True, clients: int = 2, pool: str = "threads",
-              concurrency: int = 2, extra: tuple[str, ...] = ()) -> list[Proc]:
-        """Spawn everything at once, then wait for each to be ready (parallel start-up)."""
+              concurrency: int = 2, extra: tuple[str, ...] = (),
+              holder_extra: tuple[str, ...] = ()) -> list[Proc]:
+        """Spawn everything at once, then wait for each to be ready (parallel start-up).
+        `extra`: arguments of every client worker; `holder_extra`: of the holder."""
         procs = []
         if holder:
             procs.append(self._spawn("holder", ("--durability-holder", "-Q", "idle.holder",
-                                                "--pool=threads", "--concurrency=1")))
+                                                "--pool=threads", "--concurrency=1",
+                                                *holder_extra)))
         for _ in range(clients):
             procs.append(self._spawn("client", (f"--pool={pool}",
                                                 f"--concurrency={concurrency}", *extra)))
