@@ -28,6 +28,9 @@ POLL = 0.5
 """drain_events timeout: how soon a stop is noticed while no message arrives."""
 BACKLOG_EVERY = 1.0
 """Seconds between two looks at how many requests wait in the shard queues."""
+MIN_TAKE_RATE = 100.0
+"""Requests per second a consumer takes at least when it is not starved: an idle one
+measured no rate, and a request that just arrived is not a second's wait."""
 
 
 class HolderConsumer(threading.Thread):
@@ -192,4 +195,4 @@ class _Backlog:
             logger.debug("durability holder: shard queue sizes unknown: %r", exc)
             return None
         rate = (taken - taken_then) / max(now - then, 1e-3)
-        return queued / max(rate, 1.0)
+        return queued / max(rate, MIN_TAKE_RATE)

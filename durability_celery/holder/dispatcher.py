@@ -126,7 +126,7 @@ class Dispatcher(threading.Thread):
         self._running = 0
         self._jobs = 0  # batches and reclaims started and not done: the busy round threads
         self.pressure = Pressure(self._shortest_period)
-        """The holder's overload state and the stretch of its periods (read anywhere)."""
+        """The holder's overload state and how it stretches periods (read anywhere)."""
         self._next_scan = 0.0
 
     @property
@@ -230,7 +230,7 @@ class Dispatcher(threading.Thread):
         period = float(self._semaphores[key_id[0]].config.round_period)
         # Its replies tell clients to come a stretched period later if the holder is
         # behind: the batcher gathers them then (parked requests wait for it).
-        told = self.pressure.period(period) if self.pressure.stretch > 1.0 else None
+        told = self.pressure.period(period) if self.pressure.extra > 0.0 else None
         self._batcher.finished(key_id, round_at=round_at_of(responses),
                                blocked=blocked_by(job, responses), period=told)
         if responses is None:

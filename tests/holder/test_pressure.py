@@ -1,5 +1,5 @@
 # Back-pressure (holder/pressure.py) on a fake clock: lag past its target stretches
-# the period and the replies' next_request_at, the stretch is capped, it shrinks
+# the periods and the replies' next_request_at by the same seconds, within caps; it shrinks
 # back once the lag is gone, and the holder says so (state and log); the batcher
 # serves parked requests by the period their key's last round told.
 from __future__ import annotations
@@ -30,35 +30,37 @@ def test_lag_past_its_target_stretches_periods_and_replies(
         caplog: pytest.LogCaptureFixture) -> None:
     pressure = Pressure(lambda: PERIOD)
     behind(pressure, 0.0, 5.0, lag=0.1)  # under the target (a quarter period)
-    assert (pressure.stretch, pressure.overloaded) == (1.0, False)
+    assert (pressure.extra, pressure.overloaded) == (0.0, False)
     answer = reply(10.0)
     pressure.stretch_reply(answer, PERIOD)
     assert answer["next_request_at"] == 12.0
     with caplog.at_level("WARNING", logger="durability_celery.holder"):
         behind(pressure, 5.0, 10.0, lag=2.5)
-    assert pressure.overloaded and 2.0 < pressure.stretch <= MAX_STRETCH
-    assert pressure.period(PERIOD) == PERIOD * pressure.stretch
+    assert pressure.overloaded and pressure.extra > PERIOD
+    assert pressure.period(PERIOD) == min(PERIOD + pressure.extra, MAX_STRETCH * PERIOD)
     assert caplog.text.count("overloaded") == 1  # once, not per look
     for blocked in (False, True):  # a blocked client is told to wait as well
         answer = reply(10.0, blocked=blocked)
         pressure.stretch_reply(answer, PERIOD)
-        assert answer["next_request_at"] == 10.0 + PERIOD * pressure.stretch
+        assert answer["next_request_at"] == 10.0 + pressure.period(PERIOD)
     error = {"v": 1, "error": {"code": "unavailable", "message": "x"}}
     pressure.stretch_reply(error, PERIOD)
     assert "next_request_at" not in error
     assert pressure.view().waiting == 500
 
 
-def test_the_stretch_is_capped() -> None:
-    pressure = Pressure(lambda: PERIOD)
-    behind(pressure, 0.0, 300.0, lag=30.0)
-    assert pressure.stretch == MAX_STRETCH
-    # Very short rounds may stretch to MAX_STRETCHED_PERIOD; a longer period of the
-    # same holder still by MAX_STRETCH at most.
-    short = Pressure(lambda: 0.05)
-    behind(short, 0.0, 300.0, lag=30.0)
-    assert short.period(0.05) == pytest.approx(MAX_STRETCHED_PERIOD)
-    assert short.period(PERIOD) == PERIOD * MAX_STRETCH
+def test_periods_are_stretched_by_the_same_seconds_within_their_caps() -> None:
+    # One holder, a short and a long period: the lag is seconds for both, so both are
+    # told the same seconds more, each at most MAX_STRETCH times (or the longest period).
+    pressure = Pressure(lambda: 0.05)
+    behind(pressure, 0.0, 2.0, lag=1.0)
+    extra = pressure.extra
+    assert 0.5 < extra < MAX_STRETCHED_PERIOD
+    assert pressure.period(0.05) == pytest.approx(0.05 + extra)
+    assert pressure.period(PERIOD) == pytest.approx(PERIOD + extra)
+    behind(pressure, 2.0, 300.0, lag=30.0)
+    assert pressure.period(0.05) == MAX_STRETCHED_PERIOD
+    assert pressure.period(PERIOD) == MAX_STRETCH * PERIOD
 
 
 def test_without_lag_the_stretch_shrinks_back_and_the_overload_ends(
@@ -66,12 +68,12 @@ def test_without_lag_the_stretch_shrinks_back_and_the_overload_ends(
     pressure = Pressure(lambda: PERIOD)
     now = behind(pressure, 0.0, 20.0, lag=3.0)
     now = behind(pressure, now, PERIOD, lag=0.0)  # its look still saw the lag
-    stretched = pressure.stretch
+    stretched = pressure.extra
     now = behind(pressure, now, PERIOD, lag=0.0)  # one look that changes it
-    assert 1.0 < pressure.stretch < stretched  # gradually: clients come back a period later
+    assert 0.0 < pressure.extra < stretched  # gradually: clients come back a period later
     with caplog.at_level("INFO", logger="durability_celery.holder"):
         behind(pressure, now, 200.0, lag=0.0)
-    assert (pressure.stretch, pressure.overloaded) == (1.0, False)
+    assert (pressure.extra, pressure.overloaded) == (0.0, False)
     assert "no longer overloaded" in caplog.text
 
 
@@ -79,7 +81,7 @@ def test_a_long_lag_is_overload_even_before_a_stretch(monkeypatch: pytest.Monkey
     monkeypatch.setattr(pressure_module, "OVERLOAD_LAG", 0.5)
     pressure = Pressure(lambda: 100.0)  # a long period: no stretch for a lag of 0.6 s
     pressure.observe(0.0, 0.6, waiting=1)
-    assert pressure.overloaded and pressure.stretch == 1.0
+    assert pressure.overloaded and pressure.extra == 0.0
     behind(pressure, 0.1, 250.0, lag=0.0)
     assert not pressure.overloaded and pressure.view().lag == 0.0
 
