@@ -21,7 +21,7 @@
 # out, also on failure. Single-threaded simulator (plus an RSS sampler), so it
 # takes as little as possible of the 2 cores from the holder.
 #
-#   python -m benchmarks.holder_scale [--seconds 30] [--keys 10000]
+#   python -m benchmarks.holder_scale [--seconds 30] [--keys 10000] [--phases default]
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,7 @@ from durability_celery.queues import (  # noqa: E402
     reply_queue_declaration,
 )
 from durability_celery.routing import reply_queue  # noqa: E402
+from durability_celery.settings import DurabilitySettings  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "holder_scale.txt"
 CLIENTS = 100
@@ -81,6 +82,8 @@ DRAIN_MAX = 0.05
 2 ms pause kept the simulator draining to the end of the window, sending nothing due."""
 """Initial requests published between two reply drains, so early replies are timed fairly."""
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")
+REQUEST_TIMEOUT = DurabilitySettings().request_timeout
+"""A worker asks again after it (client/ledger.py): replies later than this make load."""
 
 
 # --- /proc and pg_stat_database -------------------------------------------------
@@ -407,6 +410,8 @@ FIGURES: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
      lambda r: f"{r['unanswered']} ({r['unanswered_median_age_s']:.1f})"),
     ("error replies", lambda r: ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"),
     ("latency of answered p50 / p99 (ms)", lambda r: f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f}"),
+    (f"p99 within request_timeout ({REQUEST_TIMEOUT:g} s)",
+     lambda r: "yes" if r["p99_ms"] <= 1000 * REQUEST_TIMEOUT else "NO"),
     ("PG commits / rollbacks per round",
      lambda r: f"{_per_round(r, r['pg']['xact_commit']):.2f} / "
                f"{_per_round(r, r['pg']['xact_rollback']):.2f}"),
@@ -455,6 +460,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=30.0, help="window per round setting")
     parser.add_argument("--keys", type=int, default=10_000)
+    parser.add_argument("--phases", nargs="+", choices=list(PHASES), default=list(PHASES),
+                        help="round settings to run (default: all)")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/13")
     parser.add_argument("--pg-admin", default=os.environ.get(
         "DC_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test"))
@@ -476,7 +483,7 @@ def main() -> int:
     try:
         next(iter(durability.semaphores.values())).migrate()  # one database for all of them
         stats = PgStats(admin, name)
-        for phase in PHASES:
+        for phase in args.phases:
             row = measure_phase(phase, config, durability, stats, args.keys, args.seconds, log)
             rows.append(row)
             print(f"{phase}: {row['rounds_per_s']:.1f} rounds/s, "

@@ -83,18 +83,20 @@ class HolderMetrics:
         self.replies.labels(str(status)).inc()
 
     def load(self, lag: float, waiting: int, overloaded: bool) -> None:
-        """The dispatcher's last look at its due rounds (Dispatcher._check_overload)."""
+        """The dispatcher's last look at its load (Dispatcher._check_overload, Pressure)."""
         self._load = (lag, waiting, overloaded)
 
     def _collect_load(self) -> Iterable[Metric]:
         lag, waiting, overloaded = self._load
         yield GaugeMetricFamily(
             "durability_holder_overloaded",
-            "1 while due rounds wait more than OVERLOAD_LAG for a round thread.",
+            "1 while the holder is overloaded (holder/pressure.py): periods stretched, or "
+            "requests waiting more than OVERLOAD_LAG.",
             value=float(overloaded))
         yield GaugeMetricFamily(
             "durability_holder_round_lag_seconds",
-            "How long the most overdue round has waited for a round thread.",
+            "The longest recent wait of requests: for a round thread, in a round batch, "
+            "in the shard queues.",
             value=max(0.0, lag))
         yield GaugeMetricFamily(
             "durability_holder_waiting_requests", "Requests waiting for their key's round.",

@@ -486,9 +486,11 @@ class KeyLedger:
         # Demand the pool has room for asks at once: a free key's holder admits it in one
         # round trip, and a contended key's holder holds a request it cannot serve until
         # capacity comes back (it may have come back since the last reply). Items with
-        # no room still talk every round_period (a reply may say over_limit).
+        # no room still talk every round_period (a reply may say over_limit). Demand the
+        # last reply left blocked waits for its next_request_at: the round itself, except
+        # from an overloaded holder, which holds no request then but asks for fewer.
         if demand:
-            times = [self.backoff_until]
+            times = [gate if self.blocked else self.backoff_until]
         elif waiting:
             times = [gate]
         else:

@@ -29,6 +29,8 @@ PROMPT = 0.02
 """Seconds a round waits to coalesce after a request that brings capacity back. Also the
 closest two rounds of one key ever run, so a chatty client cannot make its key's rounds
 a hot loop."""
+QUIET_CLIENT = 30
+"""Periods after which a busy key's slot forgets a client it has not heard from."""
 FREE_GATHER = 0.002
 """A free key's round waits this long after its first waiting request: enough to take
 the requests sent together with it, short enough that a key whose budget covers its
@@ -110,6 +112,14 @@ class _Slot:
     client asking for those groups only is parked."""
     given_back: dict[str, dict[str, int]] = field(default_factory=dict)
     """client_id -> its last request's `given_back` marks, to tell news from repeats."""
+    heard: dict[str, float] = field(default_factory=dict)
+    """client_id -> arrival of its last request: a key busy for good forgets the
+    clients gone quiet (see Batcher._forget_quiet_clients)."""
+    quiet_check_at: float = -math.inf
+    """When _forget_quiet_clients looks at `heard` next."""
+    period: float | None = None
+    """The period the last round told its clients, when longer than the semaphore's
+    round_period (an overloaded holder stretches it: holder/pressure.py)."""
     fresh_at: float | None = None
     """Arrival of the first waiting request that is not parked."""
     freed_at: float | None = None
@@ -149,6 +159,7 @@ class Batcher:
             marks = given_back(request.body)
             before = slot.given_back.get(client, {})
             slot.given_back[client] = marks
+            slot.heard[client] = at
             if any(mark > before.get(ident, 0) for ident, mark in marks.items()):
                 if slot.freed_at is None:
                     slot.freed_at = at
@@ -206,7 +217,7 @@ class Batcher:
         if slot.parked_at is not None:
             at = slot.parked_at + round_wait
             if last is not None:
-                told = _told_at(last, round_wait, round_period)
+                told = _told_at(last, round_wait, slot.period or round_period)
                 if slot.parked_at < told:
                     # It waited for the period, and the clients the last round told to
                     # ask at its end are gathered by `told`, not a round_wait later.
@@ -252,6 +263,7 @@ class Batcher:
             slot.busy = True
             slot.last_round_at = now
             slot.fresh_at = slot.freed_at = slot.parked_at = None
+            self._forget_quiet_clients(key_id, slot, now)
             for request in slot.waiting:  # past max_batch: they wait for the next round
                 self._classify(slot, request)
             return Round(key_id, tuple(batch))
@@ -260,6 +272,21 @@ class Batcher:
             slot.alarm_at = None
             return Reclaim(key_id)
         return None
+
+    def _forget_quiet_clients(self, key_id: KeyId, slot: _Slot, now: float) -> None:
+        # A slot lives while its key is busy, and workers come and go meanwhile (each
+        # restart is a new client_id): what it knows of a client not heard from for
+        # QUIET_CLIENT periods goes. Forgotten, a client's next request counts as
+        # capacity come back or fresh: a round sooner, never a wrong one.
+        if now < slot.quiet_check_at:
+            return
+        quiet = QUIET_CLIENT * self._timing(key_id[0])[1]
+        slot.quiet_check_at = now + quiet  # a look at each client costs a round's worth
+        quiet_before = now - quiet
+        for client in [c for c, at in slot.heard.items() if at < quiet_before]:
+            del slot.heard[client]
+            slot.given_back.pop(client, None)
+            slot.blocked.pop(client, None)
 
     def _reschedule(self, key_id: KeyId, slot: _Slot) -> None:
         """Keep the rule of `_Slot.wake_at` for a slot that is not busy: wake it when its
@@ -279,7 +306,10 @@ class Batcher:
         # told to come then: arriving a few milliseconds later, each would find no slot
         # and wait a whole round_wait.
         last = slot.last_round_at
-        return -math.inf if last is None else _told_at(last, *self._timing(key_id[0]))
+        if last is None:
+            return -math.inf
+        round_wait, round_period = self._timing(key_id[0])
+        return _told_at(last, round_wait, slot.period or round_period)
 
     def _forgettable(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
         if slot.waiting or slot.alarm_at is not None:
@@ -287,20 +317,23 @@ class Batcher:
         return now >= self._forget_at(key_id, slot)
 
     def finished(self, key_id: KeyId, *, round_at: float | None = None,
-                 blocked: dict[str, frozenset[str | None]] | None = None) -> None:
+                 blocked: dict[str, frozenset[str | None]] | None = None,
+                 period: float | None = None) -> None:
         """The key's job ended (committed or failed): it may run the next one.
 
         `round_at` is the time the round itself recorded (taken a little after
         it was started); the next round is spaced from it, so the times clients
         see are never closer than round_period. `blocked`: for each client the
         round answered, the groups it left blocked for it (empty: none; None: a
-        reclaim or a failed round, which tell nothing).
+        reclaim or a failed round, which tell nothing). `period`: the period the
+        round's replies told, if stretched (None: round_period).
         """
         slot = self._slots.get(key_id)
         if slot is not None:
             slot.busy = False
             if round_at is not None and slot.last_round_at is not None:
                 slot.last_round_at = max(slot.last_round_at, round_at)
+                slot.period = period
             if blocked is not None and not any(blocked.values()):
                 # Nobody this round answered is blocked: capacity that came back may be
                 # unallocated now, so no one waits parked for it.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,11 @@ BACKOFF_START = 0.5
 BACKOFF_MAX = 10.0
 POLL = 0.5
 """drain_events timeout: how soon a stop is noticed while no message arrives."""
+BACKLOG_EVERY = 1.0
+"""Seconds between two looks at how many requests wait in the shard queues."""
+MIN_TAKE_RATE = 100.0
+"""Requests per second a consumer takes at least when it is not starved: an idle one
+measured no rate, and a request that just arrived is not a second's wait."""
 
 
 class HolderConsumer(threading.Thread):
@@ -47,6 +53,7 @@ class HolderConsumer(threading.Thread):
         self._clock = clock
         self._stopping = threading.Event()
         self.consuming = threading.Event()
+        self._taken = 0
 
     def stop(self, *, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -82,7 +89,11 @@ class HolderConsumer(threading.Thread):
             with consumer:
                 self.consuming.set()
                 logger.info("durability holder: consuming %s", ", ".join(self._queue_names))
+                backlog = _Backlog(connection.channel(), queues)
                 while not self._stopping.is_set():
+                    wait = backlog.wait(self._taken)
+                    if wait is not None:
+                        self._dispatcher.queued_for(wait)
                     try:
                         connection.drain_events(timeout=POLL)
                     except TimeoutError:
@@ -99,6 +110,7 @@ class HolderConsumer(threading.Thread):
     def _on_message(self, message: Any) -> None:
         # Acks are off (no_ack): a request lost with a dying holder is asked again
         # by its client, and a replayed stale one would only grant permits twice.
+        self._taken += 1
         try:
             self._take(message)
         except Exception:
@@ -158,3 +170,29 @@ class HolderConsumer(threading.Thread):
                        code, text, reply_to)
         if reply_to:
             self._dispatcher.answer_error(reply_to, correlation_id, code, text)
+
+
+class _Backlog:
+    """How long requests wait in the shard queues before this holder takes them: the
+    part of a request's wait the dispatcher's lag cannot see (holder/pressure.py). A
+    consumer that falls behind leaves them there while every round thread idles."""
+
+    def __init__(self, channel: Any, queues: list[Any]) -> None:
+        self._queues = [queue(channel) for queue in queues]
+        self._last = (time.monotonic(), 0)
+        self._next = self._last[0] + BACKLOG_EVERY
+
+    def wait(self, taken: int) -> float | None:
+        """Every BACKLOG_EVERY: the queued requests over the rate they were taken at."""
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + BACKLOG_EVERY
+        (then, taken_then), self._last = self._last, (now, taken)
+        try:
+            queued = sum(int(queue.queue_declare().message_count) for queue in self._queues)
+        except Exception as exc:  # a count is a hint; the consumer itself must go on
+            logger.debug("durability holder: shard queue sizes unknown: %r", exc)
+            return None
+        rate = (taken - taken_then) / max(now - then, 1e-3)
+        return queued / max(rate, MIN_TAKE_RATE)

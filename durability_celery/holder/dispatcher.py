@@ -5,7 +5,9 @@
 # threads; replies are published only after `run_rounds` returned (its
 # transaction committed), and only from this thread, which owns the reply
 # connection. Due rounds are taken only when a round thread is free, so under
-# load they gather into larger batches instead of queueing one by one.
+# load they gather into larger batches instead of queueing one by one; past
+# that, the holder stretches periods (pressure.py) and sheds superseded
+# requests (shedding.py).
 from __future__ import annotations
 
 import logging
@@ -17,10 +19,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InfrastructureError, SchemaMissing
 from ..queues import error_reply
-from .batching import Batcher, KeyId, Reclaim, Round, Waiting, asked_groups
+from .batching import Batcher, KeyId, Reclaim, Round, Waiting
+from .outcomes import (
+    blocked_by,
+    claim_deadlines,
+    log_failure,
+    responses_of,
+    round_at_of,
+    shed_back,
+)
+from .pressure import Pressure
 from .replies import ReplyPublisher
+from .shedding import answered_by
 
 if TYPE_CHECKING:
     from ..metrics import HolderMetrics
@@ -37,10 +48,6 @@ MAX_SLEEP = 0.5
 MAX_BATCH = 200
 """Most keys whose rounds run in one transaction: bounds how long their rows stay
 locked and how long one batch's replies wait for its slowest key."""
-OVERLOAD_LAG = 1.0
-"""Seconds a due job may wait for a free round thread before the holder says it is
-overloaded (`Dispatcher.overloaded`, and a warning at most every OVERLOAD_LOG_EVERY)."""
-OVERLOAD_LOG_EVERY = 30.0
 MAX_EVENTS_PER_PASS = 100
 """Events handled between two looks at the due jobs; their replies go out together
 (ReplyPublisher.batch). Bounded, so a busy inbox delays neither the replies nor
@@ -64,6 +71,10 @@ class _ErrorAnswer:
 class _BatchDone:
     rounds: tuple[tuple[Round, list[dict[str, Any]] | None], ...]
     """Each round with its responses; None: that round failed, nothing of it committed."""
+    shed: int = 0
+    """Requests answered with a newer one's response (shedding.answered_by)."""
+    took: float = 0.0
+    """Seconds the batch ran: its requests' replies waited that long for it."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,11 @@ class _ReclaimDone:
     key_id: KeyId
     deadline: float | None
     failed: bool
+
+
+@dataclass(frozen=True)
+class _Queued:
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -109,15 +125,22 @@ class Dispatcher(threading.Thread):
         self._round_threads = round_threads
         self._running = 0
         self._jobs = 0  # batches and reclaims started and not done: the busy round threads
-        self._next_overload_log = 0.0
-        self.overloaded = False
-        """Whether due rounds wait more than OVERLOAD_LAG for a round thread (read anywhere)."""
+        self.pressure = Pressure(self._shortest_period)
+        """The holder's overload state and how it stretches periods (read anywhere)."""
         self._next_scan = 0.0
+
+    @property
+    def overloaded(self) -> bool:
+        return self.pressure.overloaded
 
     # --- called from other threads ---------------------------------------
 
     def submit(self, key_id: KeyId, request: Waiting) -> None:
         self._inbox.put(_Incoming(key_id, request))
+
+    def queued_for(self, seconds: float) -> None:
+        """Requests wait about `seconds` in the shard queues before they are taken."""
+        self._inbox.put(_Queued(seconds))
 
     def answer_error(self, reply_to: str, correlation_id: str | None, code: str, text: str) -> None:
         self._inbox.put(_ErrorAnswer(reply_to, correlation_id, error_reply(code, text)))
@@ -178,6 +201,8 @@ class Dispatcher(threading.Thread):
         elif isinstance(event, _BatchDone):
             self._running -= 1
             self._jobs -= 1
+            self.pressure.shed += event.shed
+            self.pressure.waited(event.took)
             for job, responses in event.rounds:
                 self._round_done(job, responses)
         elif isinstance(event, _ReclaimDone):
@@ -193,6 +218,8 @@ class Dispatcher(threading.Thread):
             self._running -= 1
             for key_id, deadline in event.deadlines:
                 self._batcher.set_alarm(key_id, deadline)
+        elif isinstance(event, _Queued):
+            self.pressure.waited(event.seconds)
         elif event is _CANCELLED:
             self._running -= 1
         elif isinstance(event, _ErrorAnswer):
@@ -200,16 +227,22 @@ class Dispatcher(threading.Thread):
 
     def _round_done(self, job: Round, responses: list[dict[str, Any]] | None) -> None:
         key_id = job.key_id
-        self._batcher.finished(key_id, round_at=_round_at(responses),
-                               blocked=_blocked(job, responses))
+        period = float(self._semaphores[key_id[0]].config.round_period)
+        # Its replies tell clients to come a stretched period later if the holder is
+        # behind: the batcher gathers them then (parked requests wait for it).
+        told = self.pressure.period(period) if self.pressure.extra > 0.0 else None
+        self._batcher.finished(key_id, round_at=round_at_of(responses),
+                               blocked=blocked_by(job, responses), period=told)
         if responses is None:
             answers: Iterable[dict[str, Any]] = [
                 error_reply("unavailable", "the holder's database failed; ask again later")
             ] * len(job.requests)
         else:
             answers = responses
-            for deadline in _claim_deadlines(responses):
+            for deadline in claim_deadlines(responses):
                 self._batcher.set_alarm(key_id, deadline)
+            for response in responses:
+                self.pressure.stretch_reply(response, period)
         for request, answer in zip(job.requests, answers, strict=True):
             if "error" in answer and responses is not None:
                 # Refused by validation (it changed nothing): say so even when
@@ -242,15 +275,10 @@ class Dispatcher(threading.Thread):
     def _check_overload(self, now: float) -> None:
         wake = self._batcher.next_wake()  # may be stale, never later than the first due job
         lag = 0.0 if wake is None else now - wake
-        self.overloaded = lag > OVERLOAD_LAG
+        pressure = self.pressure
+        pressure.observe(now, lag, self._batcher.waiting_count())
         if self._metrics is not None:
-            self._metrics.load(lag, self._batcher.waiting_count(), self.overloaded)
-        if self.overloaded and now >= self._next_overload_log:
-            self._next_overload_log = now + OVERLOAD_LOG_EVERY
-            logger.warning(
-                "durability holder: overloaded: due rounds wait %.1f s for a round thread, "
-                "%d requests waiting; more holders (--durability-shards) or a longer "
-                "round_period would help", lag, self._batcher.waiting_count())
+            self._metrics.load(pressure.lag, pressure.waiting, pressure.overloaded)
 
     def _submit(self, run: Callable[[Any], None], job: object) -> None:
         self._running += 1
@@ -286,32 +314,51 @@ class Dispatcher(threading.Thread):
         config = self._semaphores[semaphore].config
         return float(config.round_wait), float(config.round_period)
 
+    def _shortest_period(self) -> float:
+        return min((float(s.config.round_period) for s in self._semaphores.values()),
+                   default=1.0)
+
     def _run_batch(self, jobs: list[Round]) -> None:
+        started = time.monotonic()
         semaphore = jobs[0].key_id[0]
+        answers = self._shed(semaphore, jobs)
         try:
-            batch = [(job.key_id[1], [r.body for r in job.requests]) for job in jobs]
+            batch = [(job.key_id[1], [r.body for r, a in zip(job.requests, mine, strict=True)
+                                      if a is None])
+                     for job, mine in zip(jobs, answers, strict=True)]
             results = self._semaphores[semaphore].run_rounds(batch)
             if len(results) != len(jobs):
                 raise RuntimeError(f"run_rounds returned {len(results)} results "
                                    f"for {len(jobs)} keys")
         except Exception as exc:  # the whole batch: nothing of it committed
             what = "round" if len(jobs) == 1 else f"round batch of {len(jobs)} keys"
-            _log_failure(what, jobs[0].key_id, exc)
+            log_failure(what, jobs[0].key_id, exc)
             results = [None] * len(jobs)
         try:
-            done = tuple((job, _responses(job, result))
-                         for job, result in zip(jobs, results, strict=True))
+            done = tuple((job, responses_of(job, shed_back(result, mine)))
+                         for job, result, mine in zip(jobs, results, answers, strict=True))
         except Exception:  # a bug must not leave these keys busy and this thread counted
             logger.exception("durability holder: answering a round batch failed")
             done = tuple((job, None) for job in jobs)
-        self._inbox.put(_BatchDone(done))
+        shed = sum(1 for mine in answers for a in mine if a is not None)
+        self._inbox.put(_BatchDone(done, shed, time.monotonic() - started))
+
+    @staticmethod
+    def _shed(semaphore: str, jobs: list[Round]) -> list[list[int | None]]:
+        """Per round, which requests superseded ones are answered by (shedding.py)."""
+        try:
+            return [answered_by([r.body for r in job.requests], semaphore=semaphore,
+                                key=job.key_id[1]) for job in jobs]
+        except Exception:  # a bug here must not cost the batch: nothing is shed
+            logger.exception("durability holder: shedding superseded requests failed")
+            return [[None] * len(job.requests) for job in jobs]
 
     def _run_reclaim(self, job: Reclaim) -> None:
         semaphore, key = job.key_id
         try:
             deadline = self._semaphores[semaphore].reclaim(key)
         except Exception as exc:
-            _log_failure("reclaim", job.key_id, exc)
+            log_failure("reclaim", job.key_id, exc)
             self._inbox.put(_ReclaimDone(job.key_id, None, failed=True))
             return
         self._inbox.put(_ReclaimDone(job.key_id, deadline, failed=False))
@@ -326,81 +373,5 @@ class Dispatcher(threading.Thread):
                     if self._serves(name, key):
                         found.append(((name, key), float(deadline)))
             except Exception as exc:
-                _log_failure("deadline scan", (name, "*"), exc)
+                log_failure("deadline scan", (name, "*"), exc)
         self._inbox.put(_ScanDone(found))
-
-
-def _responses(job: Round, result: object) -> list[dict[str, Any]] | None:
-    """A round's responses, or None when it failed (None: with its whole batch, logged
-    already) or answered the wrong number."""
-    if result is None:
-        return None
-    if isinstance(result, Exception):
-        _log_failure("round", job.key_id, result)
-        return None
-    if not isinstance(result, list) or len(result) != len(job.requests):
-        logger.error("durability holder: round for %s/%s gave a wrong answer: %r",
-                     job.key_id[0], job.key_id[1], result)
-        return None
-    return result
-
-
-def _claim_deadlines(responses: Iterable[dict[str, Any]]) -> Iterable[float]:
-    """Claim deadlines of the grants with unclaimed permits named in these responses,
-    and the expiry of each unacknowledged lease (dropped then, see Lease.acknowledged)."""
-    for response in responses:
-        for grant in response.get("grants") or ():
-            if (grant.get("status") == "active"
-                    and grant.get("claimed", 0) < grant.get("permits", 0)
-                    and isinstance(grant.get("claim_deadline"), int | float)):
-                yield float(grant["claim_deadline"])
-        for lease in response.get("leases") or ():
-            if (lease.get("acknowledged") is False
-                    and isinstance(lease.get("expires_at"), int | float)):
-                yield float(lease["expires_at"])
-
-
-def _round_at(responses: list[dict[str, Any]] | None) -> float | None:
-    """The round's own timestamp, from any successful response."""
-    for response in responses or ():
-        at = response.get("round_at")
-        if isinstance(at, int | float) and not isinstance(at, bool):
-            return float(at)
-    return None
-
-
-def _blocked(job: Round, responses: list[dict[str, Any]] | None,
-             ) -> dict[str, frozenset[str | None]] | None:
-    """For each client the round answered, the groups whose demand it left blocked (all
-    it asked for while the key is over its limit). None: the round failed."""
-    if responses is None:
-        return None
-    blocked: dict[str, frozenset[str | None]] = {}
-    for request, response in zip(job.requests, responses, strict=True):
-        client = request.body.get("client_id")
-        if not isinstance(client, str) or "error" in response:
-            continue
-        groups = {entry.get("group") for entry in response.get("blocked") or ()
-                  if isinstance(entry, dict)}
-        if response.get("over_limit"):
-            groups |= asked_groups(request.body)
-        blocked[client] = blocked.get(client, frozenset()) | groups
-    return blocked
-
-
-def _log_failure(what: str, key_id: KeyId, exc: Exception) -> None:
-    if isinstance(exc, SchemaMissing):
-        logger.error("durability holder: %s for %s/%s failed: %s", what, key_id[0], key_id[1],
-                     exc)
-    elif isinstance(exc, InfrastructureError) or _is_database_error(exc):
-        logger.error("durability holder: %s for %s/%s failed, database unavailable: %r",
-                     what, key_id[0], key_id[1], exc)
-    else:
-        logger.error("durability holder: %s for %s/%s failed", what, key_id[0], key_id[1],
-                     exc_info=exc)
-
-
-def _is_database_error(exc: Exception) -> bool:
-    from sqlalchemy.exc import SQLAlchemyError
-
-    return isinstance(exc, SQLAlchemyError)

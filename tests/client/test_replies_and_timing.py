@@ -66,15 +66,23 @@ def test_next_request_at_is_honoured_for_reports() -> None:
     assert client.due() == [KEY]
 
 
-def test_demand_asks_at_once_even_when_blocked() -> None:
+def test_blocked_demand_asks_when_told_at_once_or_later() -> None:
     # The holder holds a blocked client's request until capacity comes back or the
-    # key's next period: asking at once is how it is there when a permit returns.
+    # key's next period, and tells it to ask at once (next_request_at = the round):
+    # that is how it is there when a permit returns. An overloaded holder tells it
+    # to ask later instead (holder/pressure.py), and the demand waits until then.
     clock = FakeClock()
     client = make_client(clock)
     client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    blocked = [{"group": None, "reason": "limit", "queued": 1}]
     client.message(KEY)
-    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 5, blocked=[
-        {"group": None, "reason": "limit", "queued": 1}]))
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now, blocked=blocked))
+    assert client.due() == [KEY]
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, next_request_at=clock.now + 5, blocked=blocked))
+    assert client.due() == []
+    assert client.next_due_at() == clock.now + 5
+    clock.advance(5)
     assert client.due() == [KEY]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -19,8 +21,8 @@ CONFIG_ENV = "DC_HOLDER_TEST_CONFIG"
 
 def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
     """config: broker_url, broker_transport_options, shards, semaphores: [{name, database,
-    limit, round_wait, round_period, grant_timeout, per_lease (strict leases if set)}],
-    settings: {...}."""
+    limit, limit_delay (seconds each key's limit takes to resolve), round_wait,
+    round_period, grant_timeout, per_lease (strict leases if set)}], settings: {...}."""
     app = Celery("holder_test")
     app.conf.update(
         broker_url=config["broker_url"],
@@ -30,7 +32,8 @@ def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
     )
     semaphores = [
         DurabilitySemaphore(
-            s["name"], database=s["database"], limit=s.get("limit", 10),
+            s["name"], database=s["database"], limit=_limit(s.get("limit", 10),
+                                                            s.get("limit_delay")),
             round_wait=s.get("round_wait", 0.2), round_period=s.get("round_period", 0.4),
             grant_timeout=s.get("grant_timeout", 10.0),
             leases=(Leases(Strict(), permits_per_lease=s["per_lease"])
@@ -40,6 +43,19 @@ def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
     ]
     settings = DurabilitySettings(**config.get("settings", {}))
     return app, Durability(app, semaphores, settings=settings)
+
+
+def _limit(limit: int, delay: float | None) -> int | Callable[[str], int]:
+    """`limit`, or a callback that takes `delay` to answer it: a holder whose rounds
+    cost that much each, whatever the machine (tests of overload)."""
+    if delay is None:
+        return limit
+
+    def slow(key: str) -> int:
+        time.sleep(delay)
+        return limit
+
+    return slow
 
 
 if CONFIG_ENV in os.environ:

@@ -87,3 +87,28 @@ def test_a_key_no_round_could_serve_is_an_invalid_message(
             sa.table("durability_semaphore_keys"))).scalar() == 0
     # and the holder still serves a good key
     assert [g["permits"] for g in ask(holder, "fine")["grants"]] == [1]
+
+
+@pytest.mark.redis_db(2)
+def test_the_backlog_is_the_queued_requests_over_the_rate_they_were_taken(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the dispatcher's lag cannot see: requests still in the shard queues. Counted
+    # on the real broker (kombu's queue_declare), over the rate the consumer takes them.
+    from durability_celery.holder import consumer as consumer_module
+
+    clock = [100.0]
+    monkeypatch.setattr(consumer_module.time, "monotonic", lambda: clock[0])
+    app = Celery(f"backlog-{uuid.uuid4().hex[:6]}", broker=redis_url, set_as_current=False)
+    names = [f"dcb{uuid.uuid4().hex[:6]}.holder.{n}" for n in range(2)]
+    with app.connection_for_write() as connection:
+        queues = [holder_queue_declaration(name) for name in names]
+        backlog = consumer_module._Backlog(connection.channel(), queues)
+        producer = Producer(connection.channel())
+        for n in range(300):
+            producer.publish({"n": n}, exchange="", routing_key=names[n % 2])
+        assert backlog.wait(taken=0) is None  # not yet time for a look
+        clock[0] += consumer_module.BACKLOG_EVERY
+        assert backlog.wait(taken=150) == pytest.approx(300 / 150)  # 150 taken in 1 s
+        clock[0] += consumer_module.BACKLOG_EVERY
+        # None taken (idle, or starved): at the rate a consumer takes them at least.
+        assert backlog.wait(taken=150) == pytest.approx(300 / consumer_module.MIN_TAKE_RATE)

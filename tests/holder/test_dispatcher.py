@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from durability_celery.errors import InfrastructureError
-from durability_celery.holder import dispatcher as dispatcher_module
+from durability_celery.holder import pressure as pressure_module
 from durability_celery.holder.batching import Waiting
 from durability_celery.holder.dispatcher import MAX_EVENTS_PER_PASS, Dispatcher
 
@@ -65,14 +65,17 @@ class FakeSemaphore:
                 self.gates[key].wait(10)
             if key in self.fail:
                 raise InfrastructureError("database is down")
-            deadline = time.time() + self.deadline_after
+            now = time.time()
+            deadline = now + self.deadline_after
+            timing = {"round_at": now, "next_request_at": now + self.config.round_period}
             if self.answer == "grant":
-                return [{"v": 1, "n": m["n"], "grants": [
+                return [{"v": 1, "n": m["n"], **timing, "grants": [
                     {"status": "active", "permits": 1, "claimed": 0,
                      "claim_deadline": deadline}]} for m in messages]
             lease = {"status": "active", "permits": 2, "drawn": 0, "expires_at": deadline,
                      "acknowledged": self.answer == "acked-lease"}
-            return [{"v": 1, "n": m["n"], "grants": [], "leases": [lease]} for m in messages]
+            return [{"v": 1, "n": m["n"], **timing, "grants": [], "leases": [lease]}
+                    for m in messages]
         finally:
             with self.lock:
                 self.active.discard(key)
@@ -266,7 +269,7 @@ def test_a_key_that_fails_alone_leaves_its_batch_answered() -> None:
 
 def test_due_rounds_waiting_for_busy_threads_make_it_say_it_is_overloaded(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(dispatcher_module, "OVERLOAD_LAG", 0.1)
+    monkeypatch.setattr(pressure_module, "OVERLOAD_LAG", 0.1)
     sem, pub, dispatcher = _one_thread_busy_with_first()
     try:
         assert not dispatcher.overloaded
@@ -278,6 +281,43 @@ def test_due_rounds_waiting_for_busy_threads_make_it_say_it_is_overloaded(
         assert caplog.text.count("overloaded") == 1  # logged once, not per pass
         sem.gates["first"].set()
         wait_for(lambda: len(pub.sent) == 3)
-        wait_for(lambda: not dispatcher.overloaded)
+        wait_for(lambda: not dispatcher.overloaded, timeout=15)  # the stretch shrinks back
     finally:
         dispatcher.stop(timeout=5)
+
+
+def test_a_holder_behind_stretches_the_next_request_at_of_its_replies() -> None:
+    sem, pub, dispatcher = _one_thread_busy_with_first()
+    try:
+        send(dispatcher, "next", 1)  # due, and no thread to run it for a while
+        time.sleep(1.2)
+        assert dispatcher.overloaded and dispatcher.pressure.extra > sem.config.round_period
+        sem.gates["first"].set()
+        wait_for(lambda: len(pub.sent) == 2)
+    finally:
+        dispatcher.stop(timeout=5)
+    answer = {c: b for _, c, b, _ in pub.sent}["c1"]
+    assert answer["next_request_at"] - answer["round_at"] > 2 * sem.config.round_period
+
+
+def wire(client: str, n: int) -> dict[str, Any]:
+    return {"type": "request", "v": 1, "semaphore": "s", "key": "k", "client_id": client,
+            "demand": [], "grants": [], "leases": [], "n": n}
+
+
+def test_superseded_requests_get_the_newest_ones_answer_without_a_place_in_the_round(
+) -> None:
+    sem, pub, dispatcher = _one_thread_busy_with_first()
+    try:
+        for n, client in enumerate(["c1", "c2", "c1", "c1"], start=1):
+            dispatcher.submit(("s", "k"), Waiting(wire(client, n), f"reply-{n}", f"c{n}",
+                                                  time.time()))
+        time.sleep(0.1)
+        sem.gates["first"].set()
+        wait_for(lambda: len(pub.sent) == 5)
+    finally:
+        dispatcher.stop(timeout=5)
+    assert ("round", "k", 2) in sem.calls  # c2's request and c1's newest
+    answers = {c: b["n"] for _, c, b, _ in pub.sent}
+    assert answers == {"c0": 0, "c1": 4, "c2": 2, "c3": 4, "c4": 4}
+    assert dispatcher.pressure.shed == 2

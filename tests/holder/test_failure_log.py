@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from durability_celery.errors import InfrastructureError, SchemaMissing
-from durability_celery.holder.dispatcher import _log_failure
+from durability_celery.holder.outcomes import log_failure as _log_failure
 
 
 @pytest.mark.parametrize(("exc", "said", "not_said"), [

@@ -62,12 +62,15 @@ class Concurrency:
         self.now: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.admitted = 0
+        self.times: dict[str, list[float]] = {}
+        """key -> when each admission began (time.monotonic())."""
 
     def enter(self, key: str) -> None:
         with self.lock:
             self.now[key] = self.now.get(key, 0) + 1
             self.peak[key] = max(self.peak.get(key, 0), self.now[key])
             self.admitted += 1
+            self.times.setdefault(key, []).append(time.monotonic())
 
     def leave(self, key: str) -> None:
         with self.lock:
