@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from durability_celery.core.config import GATHER
 from durability_celery.holder import pressure as pressure_module
-from durability_celery.holder.batching import GATHER, Batcher, Waiting
+from durability_celery.holder.batching import Batcher, Waiting
 from durability_celery.holder.pressure import MAX_STRETCH, MAX_STRETCHED_PERIOD, Pressure
 
 PERIOD = 2.0
