@@ -145,13 +145,18 @@ class _NoHooks:
         return 0
 
 
+def _gate(client: Any, clock: FakeClock, *, pool: int) -> Gate:
+    """A gate over `client` alone whose hooks do nothing; `pool` slots, none busy."""
+    none = _NoHooks()
+    return Gate({SEM: client}, Hooks(handoff=none, pool_size=lambda: pool, busy=none,
+                                     qos_increment=none, qos_decrement=none, wake=none),
+                max_held=8, hold_deadline=60.0, clock=clock)
+
+
 def test_the_gate_awaits_both_messages_and_drops_what_it_no_longer_awaits() -> None:
     clock = FakeClock()
     client = _client(clock)
-    none = _NoHooks()
-    gate = Gate({SEM: client}, Hooks(handoff=none, pool_size=lambda: 4, busy=none,
-                                     qos_increment=none, qos_decrement=none, wake=none),
-                max_held=8, hold_deadline=60.0, clock=clock)
+    gate = _gate(client, clock, pool=4)
     _enqueue(client, "t1")
     (first,) = gate.pump()
     _enqueue(client, "t2")
@@ -187,10 +192,7 @@ def test_capacity_back_goes_out_even_past_a_message_already_superseding() -> Non
 def test_the_gate_awaits_every_older_message_and_anchors_them_on_the_oldest() -> None:
     clock = FakeClock()
     client = _client(clock)
-    none = _NoHooks()
-    gate = Gate({SEM: client}, Hooks(handoff=none, pool_size=lambda: 0, busy=none,
-                                     qos_increment=none, qos_decrement=none, wake=none),
-                max_held=8, hold_deadline=60.0, clock=clock)
+    gate = _gate(client, clock, pool=0)
     _enqueue(client, "t1")
     (asked,) = gate.pump()
     assert gate.on_reply(asked.correlation_id, reply(clock.now, contended=True, grants=[
