@@ -129,22 +129,25 @@ def test_many_clients_on_many_keys_stay_within_the_limit(shared_rig: HolderRig) 
 
 
 EARLY = 0.2
-"""Seconds before next_request_at a `when_told` request is sent (see _round_gaps)."""
+"""Seconds before next_request_at a `when_told` request is sent (see _round_lateness)."""
+
+ON_TIME = 0.5
+"""Seconds past the told next_request_at a round may come: GATHER plus the brokers'
+delivery, well short of round_wait (1.0 s), which is what a missed moment costs."""
 
 
-def _round_gaps(rig: HolderRig, semaphore: str, key: str, *, when_told: bool) -> list[float]:
-    """Seconds between the rounds of four requests in a row on `key`: each sent as
-    soon as the last reply came, or (`when_told`) a little before that reply's
-    next_request_at: the broker's delivery delay and EARLY.
+def _round_lateness(rig: HolderRig, semaphore: str, key: str, *,
+                    when_told: bool) -> list[tuple[float, float]]:
+    """For four requests in a row on `key`, each round's (gap since the last round,
+    seconds past the moment it was due: the last reply's told moment or period): each
+    request sent as soon as the last reply came, or (`when_told`) a little before that
+    reply's next_request_at.
 
-    The filesystem broker delivers a message up to its polling interval (0.1 s) late,
-    which is all of the holder's GATHER moment: asked exactly at next_request_at, the
-    request reached the holder after it now and then, and waited a full round_wait
-    (a 1.62 s gap in one CI run of 2026-12-01). On Redis a hiccup of the test process
-    or the holder did the same once (1.60 s, CI of 2026-12-02). Sent that much early,
-    it arrives before the period's end at worst, and gets its round at the same
-    moment; a request held round_wait after its arrival would still show a gap of
-    round_period - EARLY + round_wait, which the test's bound catches."""
+    Judged against the told moment, not round_period: a holder that fell behind (a busy
+    CI machine) stretches the periods it tells (holder/pressure.py), and the rule under
+    test is that a client asking by what it was told is not held a round_wait more. The
+    filesystem broker delivers a message up to its polling interval late, which is all of
+    the holder's GATHER moment, so `when_told` requests go EARLY plus that before it."""
     client = rig.client(semaphore, timeout=5.0)
     client.client.enqueue(key, None, "waiting", enqueued_at=time.time())  # blocked demand
     delay = EARLY + rig.config.get("broker_transport_options", {}).get("polling_interval", 0.0)
@@ -155,49 +158,57 @@ def _round_gaps(rig: HolderRig, semaphore: str, key: str, *, when_told: bool) ->
         replies.append(client.request(key))
     assert all(reply["contended"] for reply in replies), replies
     # The first round finds the key new and runs at once; the rest are batched.
-    times = [reply["round_at"] for reply in replies[1:]]
-    return [b - a for a, b in itertools.pairwise(times)]
+    return _lateness(replies[1:])
+
+
+def _lateness(replies: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    # A blocked client is told to ask at once and its request waits for the period's
+    # end; a stretched period is told in next_request_at.
+    return [(b["round_at"] - a["round_at"],
+             b["round_at"] - max(a["next_request_at"], a["round_at"] + 0.6))
+            for a, b in itertools.pairwise(replies)]
+
+
+def _assert_on_time(rounds: list[tuple[float, float]]) -> None:
+    assert all(gap >= 0.6 - 1e-6 for gap, _ in rounds), rounds  # never before round_period
+    assert all(late < ON_TIME for _, late in rounds), rounds
 
 
 def test_rounds_of_one_key_are_round_period_apart(shared_rig: HolderRig) -> None:
     rig = shared_rig
     key = f"acct-{uuid.uuid4().hex[:6]}"
-    gaps = _round_gaps(rig, "period", key, when_told=False)
-    assert all(gap >= 0.6 - 1e-6 for gap in gaps), gaps
-    assert all(gap < 1.2 for gap in gaps), gaps  # and not much more than that
+    _assert_on_time(_round_lateness(rig, "period", key, when_told=False))
     assert rig.semaphore("period").state(key).rounds == 4
 
 
 def test_a_client_asking_when_told_gets_its_round_without_a_full_round_wait(
         shared_rig: HolderRig) -> None:
     # round_wait 1.0 > round_period 0.6: asking at each reply's next_request_at, as a
-    # blocked worker does, the round comes GATHER (0.1 s) after that, so rounds are
-    # about 0.7 s apart; holding each request round_wait would make them 1.6 s apart.
-    gaps = _round_gaps(shared_rig, "told", f"acct-{uuid.uuid4().hex[:6]}", when_told=True)
-    assert all(gap >= 0.6 - 1e-6 for gap in gaps), gaps
-    assert all(gap < 1.2 for gap in gaps), gaps
+    # blocked worker does, the round comes GATHER (0.1 s) after that; holding each
+    # request round_wait would make it come a second late.
+    key = f"acct-{uuid.uuid4().hex[:6]}"
+    _assert_on_time(_round_lateness(shared_rig, "told", key, when_told=True))
 
 
 def test_a_client_aiming_as_the_library_does_makes_the_told_round_despite_lag(
         shared_rig: HolderRig) -> None:
     # Each request goes a lag after the moment the client's own ledger says (its reply's
     # next_request_at less ask_early). Late for the holder's moment (GATHER past the
-    # period's end) it would wait round_wait: gaps of about 1.6 s. The lag is 0.12 s on
-    # Redis (always past GATHER, so asked at next_request_at itself it misses); none on
-    # the filesystem broker, whose polling makes each of the two hops up to 0.1 s late.
+    # period's end) it would wait round_wait. The lag is 0.12 s on Redis (always past
+    # GATHER, so asked at next_request_at itself it misses); none on the filesystem
+    # broker, whose polling makes each of the two hops up to 0.1 s late.
     rig = shared_rig
     client = rig.client("told", timeout=5.0)
     assert client.client.ask_early == GATHER
     key = f"acct-{uuid.uuid4().hex[:6]}"
     polling = rig.config.get("broker_transport_options", {}).get("polling_interval", 0.0)
     lag = max(0.0, 0.12 - 2 * polling)
-    times = [client.request(key)["round_at"]]
+    replies = [client.request(key)]
     for _ in range(3):
         aim = client.client._ledgers[key].next_request_at
         time.sleep(max(0.0, aim + lag - time.time()))
-        times.append(client.request(key)["round_at"])
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert all(0.6 - 1e-6 <= gap < 1.2 for gap in gaps), gaps
+        replies.append(client.request(key))
+    _assert_on_time(_lateness(replies))
 
 
 def test_the_deadline_timer_reclaims_with_no_traffic(shared_rig: HolderRig) -> None:
