@@ -123,7 +123,7 @@ def test_a_reply_to_the_newer_message_answers_both() -> None:
     assert not client.superseding(KEY)
     assert len(client.admit()) == 2
     ledger = client._ledgers[KEY]
-    assert ledger.in_flight is None and ledger.superseded is None
+    assert ledger.schedule.in_flight is None and ledger.schedule.superseded is None
     # Anchored on the older send: the round may have been the one it waited in.
     assert ledger.grants["g1"].claim_deadline == first_sent + 10
 
@@ -134,10 +134,10 @@ def test_an_error_reply_to_the_superseded_message_changes_nothing() -> None:
     for bad in (error(), {"v": 1, "garbage": True}):
         client.on_response(KEY, bad, superseded=True)
         ledger = client._ledgers[KEY]
-        assert ledger.failures == 0 and ledger.backoff_until == 0.0
-        assert ledger.in_flight is not None
+        assert ledger.schedule.failures == 0 and ledger.schedule.backoff_until == 0.0
+        assert ledger.schedule.in_flight is not None
     client.on_response(KEY, error())  # the newer one failing is a failure
-    assert client._ledgers[KEY].failures == 1
+    assert client._ledgers[KEY].schedule.failures == 1
 
 
 class _NoHooks:
