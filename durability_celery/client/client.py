@@ -20,6 +20,7 @@ from .ledger import KeyLedger
 from .permits import Permit, Permits
 from .queue import ClientQueue
 from .replies import ErrorReply, parse_reply
+from .schedule import Replies
 from .talk import Talk
 
 __all__ = ["Permit", "SemaphoreClient"]
@@ -73,6 +74,7 @@ class SemaphoreClient:
         self._clock = clock
         self._ledgers: dict[str, KeyLedger] = {}
         self._queue = ClientQueue()
+        self._replies = Replies()
         quiet: dict[str, float] = {}
         urgent: set[str] = set()
         self._permits = Permits(self, self._ledgers, self._queue, quiet=quiet, urgent=urgent,
@@ -224,8 +226,10 @@ class SemaphoreClient:
         """Earliest time due() may become non-empty (for timers); None: nothing pending."""
         return self._talk.next_due_at()
 
-    def message(self, key: str) -> dict[str, Any]:
-        """Build a request (demand + reports) or a sync (reports only); mark it in flight."""
+    def message(self, key: str, *, correlation_id: str | None = None) -> dict[str, Any]:
+        """Build a request (demand + reports) or a sync (reports only); mark it in flight.
+        `correlation_id`: its reply will carry it (on_reply matches it); None: the caller
+        matches replies itself and calls on_response."""
         now = self._clock()
         ledger = self._ledger(key)
         demand = self._talk.demand(key, now)
@@ -235,7 +239,36 @@ class SemaphoreClient:
                           demand=demand, grants=grants, leases=leases,
                           supports_leases=self.supports_leases)
         ledger.mark_sent(now, asked=sum(e.count for e in demand))
+        if correlation_id is not None:
+            self._replies.sent(key, correlation_id,
+                               superseding=ledger.schedule.superseded is not None)
         return request.to_wire(semaphore=self.semaphore, key=key)
+
+    def on_reply(self, correlation_id: str | None, body: object) -> str | None:
+        """A reply that carries `correlation_id`: applied (on_response; a body that is no
+        reply at all counts as a failure) if it answers a message of a key that still
+        awaits it. Returns that key; None: it answers nothing awaited, and is dropped."""
+        answered = self._replies.answered(correlation_id)
+        if answered is None:
+            return None
+        key, superseded = answered
+        if isinstance(body, dict):
+            self.on_response(key, body, superseded=superseded)
+        else:
+            self.on_failure(key, superseded=superseded)
+        return key
+
+    def unsent(self, key: str, correlation_id: str) -> bool:
+        """Publishing the message `correlation_id` of `key` failed: if it is the key's
+        newest, it fails (on_failure) and the key backs off; True if it did."""
+        if not self._replies.unsent(key, correlation_id):
+            return False
+        self.on_failure(key)
+        return True
+
+    def awaited(self, key: str) -> tuple[str, ...]:
+        """Correlation ids of `key` whose replies on_reply still accepts, oldest first."""
+        return self._replies.awaited(key)
 
     def superseding(self, key: str) -> bool:
         """The last message of `key` superseded one whose reply is still awaited."""

@@ -1,8 +1,10 @@
 # When one key talks to its holder, and what it has in flight: the one owner of
-# the messages a key awaits. A message sent while another is in flight
-# supersedes it, and the oldest unanswered one is kept: its send time anchors
-# the deadlines of whatever reply comes, early rather than late. A failure
-# backs off, doubling per failure in a row up to a cap.
+# the messages a key awaits (KeySchedule for their timing, Replies for which
+# replies are still accepted; the gate asks the client, and keeps no copy). A
+# message sent while another is in flight supersedes it, and the oldest
+# unanswered one is kept: its send time anchors the deadlines of whatever reply
+# comes, early rather than late. A failure backs off, doubling per failure in a
+# row up to a cap.
 from __future__ import annotations
 
 import math
@@ -105,3 +107,71 @@ class KeySchedule:
 
     def timed_out(self, now: float, timeout: float) -> bool:
         return self.in_flight is not None and now >= self.in_flight.sent_at + timeout
+
+
+@dataclass(slots=True)
+class _Awaited:
+    newest: str
+    older: tuple[str, ...] = ()
+    """Correlation ids of the older messages `newest` superseded, still answered."""
+
+
+class Replies:
+    """The replies one client still accepts, by correlation id: per key, its newest
+    message's, and those of the older messages the newest superseded (see
+    KeySchedule.sent). A message that timed out no longer counts as in flight, but its
+    reply is still welcome until a newer message of the key replaces it (a reply lists
+    every grant and lease, so any newer one makes the older ones' redundant); the
+    record outlives the key's ledger, and a late reply brings it back."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, _Awaited] = {}
+        self._keys: dict[str, str] = {}
+        """correlation id -> key, for every id awaited."""
+
+    def sent(self, key: str, correlation_id: str, *, superseding: bool) -> None:
+        """A message of `key` went out; `superseding`: older ones stay awaited."""
+        previous = self._by_key.get(key)
+        older: tuple[str, ...] = ()
+        if previous is not None:
+            if superseding:
+                older = (*previous.older, previous.newest)
+            else:
+                self._forget(previous)
+        self._by_key[key] = _Awaited(correlation_id, older)
+        self._keys[correlation_id] = key
+
+    def answered(self, correlation_id: str | None) -> tuple[str, bool] | None:
+        """The key a reply answers and whether it answers a superseded message (the newer
+        one stays awaited); None: no message we still await (a late or repeated one).
+        A reply to the newest message answers the older ones too."""
+        key = self._keys.get(correlation_id) if correlation_id is not None else None
+        if key is None or correlation_id is None:
+            return None
+        entry = self._by_key[key]
+        if correlation_id == entry.newest:
+            del self._by_key[key]
+            self._forget(entry)
+            return key, False
+        entry.older = tuple(c for c in entry.older if c != correlation_id)
+        del self._keys[correlation_id]
+        return key, True
+
+    def unsent(self, key: str, correlation_id: str) -> bool:
+        """Publishing the message failed: True if it was the key's newest, now forgotten
+        with the older ones, as KeySchedule.fail forgets them."""
+        entry = self._by_key.get(key)
+        if entry is None or entry.newest != correlation_id:
+            return False
+        del self._by_key[key]
+        self._forget(entry)
+        return True
+
+    def awaited(self, key: str) -> tuple[str, ...]:
+        """The correlation ids of `key` whose replies are still accepted, oldest first."""
+        entry = self._by_key.get(key)
+        return () if entry is None else (*entry.older, entry.newest)
+
+    def _forget(self, entry: _Awaited) -> None:
+        for correlation_id in (*entry.older, entry.newest):
+            self._keys.pop(correlation_id, None)
