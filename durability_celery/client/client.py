@@ -1,12 +1,14 @@
-# SemaphoreClient: one client's bookkeeping of one semaphore across its keys —
-# the client queue (queue.py), permits claimed from grants, drawn from leases,
-# kept and passed on (permits.py), and the messages that report them (talk.py,
-# each key's in flight in schedule.py, its copies in ledger.py and copies.py).
-# Sans-IO: it never sends anything and never reads the clock except through the
-# injected `clock`; the caller asks what is due, sends `message(key)` however it
-# likes and feeds replies back. Rule it keeps: an item gets at most one permit
-# per enqueue, a permit is used once, and nothing it hears from the holder
-# (lost, repeated or reordered) makes it hand out a permit it does not hold.
+# SemaphoreClient: one client's bookkeeping of one semaphore across its keys,
+# a facade over its parts: the client queue (queue.py); permits claimed from
+# grants, drawn from leases, kept and passed on (permits.py) or given back
+# beyond the pool's room (room.py); and the messages that report them
+# (talk.py; each key's in flight in schedule.py, its copies in ledger.py and
+# copies.py). Sans-IO: it never sends anything and never reads the clock except
+# through the injected `clock`; the caller asks what is due, sends
+# `message(key)` however it likes and feeds replies back. Rule it keeps: an
+# item gets at most one permit per enqueue, a permit is used once, and nothing
+# it hears from the holder (lost, repeated or reordered) makes it hand out a
+# permit it does not hold.
 from __future__ import annotations
 
 import time
@@ -20,6 +22,7 @@ from .ledger import KeyLedger
 from .permits import Permit, Permits
 from .queue import ClientQueue
 from .replies import ErrorReply, parse_reply
+from .room import Room
 from .schedule import Replies
 from .talk import Talk
 
@@ -50,7 +53,7 @@ class SemaphoreClient:
     allocated first), leaving each worker a grant sized by who asked first."""
     free_slots: Callable[[], int] | None
     """The pool's free slots now, shared by every key (None: unknown). With it, a key
-    asks for no more than those and the soon-free ones (Permits.room), whatever its
+    asks for no more than those and the soon-free ones (Room.of), whatever its
     own items hold: permits a busy pool cannot start on would sit here while other
     workers' items of the key wait."""
 
@@ -79,8 +82,10 @@ class SemaphoreClient:
         urgent: set[str] = set()
         self._permits = Permits(self, self._ledgers, self._queue, quiet=quiet, urgent=urgent,
                                 clock=clock)
-        self._talk = Talk(self, self._ledgers, self._queue, self._permits, quiet=quiet,
-                          urgent=urgent, clock=clock)
+        self._room = Room(self, self._ledgers, self._queue, self._permits, quiet=quiet,
+                          clock=clock)
+        self._talk = Talk(self, self._ledgers, self._queue, self._permits, self._room,
+                          quiet=quiet, urgent=urgent, clock=clock)
         self.capacity = capacity
         self.semaphore = semaphore
         self.client_id = client_id
@@ -181,15 +186,15 @@ class SemaphoreClient:
     def return_unused(self) -> bool:
         """Give back the grant permits an admission left unclaimed beyond what this worker
         can start soon: per key, its queued items within its room (free slots, and the
-        slots of running items that give way to it when they end: Permits.soon_free).
+        slots of running items that give way to it when they end: Room.soon_free).
         Each is reported claimed and released (cumulative marks, so it is freed once), at
         once: kept, it would idle here while others wait. A kept permit is looked at again
         at every admission, and goes back well before its claim margin."""
-        return self._permits.return_unused()
+        return self._room.return_unused()
 
     def room_changed(self) -> None:
         """Pool slots came free, or running items changed: keys with queued items may ask
-        again (see Permits.room)."""
+        again (see Room.of)."""
         for key in self._queue.by_key:
             self._talk.changed(key)
 
@@ -297,21 +302,7 @@ class SemaphoreClient:
             return
         ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped,
                      ask_early=self.ask_early, superseded=superseded)
-        if ledger.open_grants:
-            self._permits.unused.add(key)
-        if ledger.urgent:
-            self._talk.urgent.add(key)
-        else:
-            self._talk.urgent.discard(key)
-        if reply.contended:
-            # Undrawn lease permits of groups where nothing is queued go back.
-            queued = self._queue.by_key.get(key, {})
-            for lease in ledger.leases.values():
-                if lease.group not in queued:
-                    lease.stop()
-        # Only this key's copies changed; time's changes to the others are due()'s.
-        self._permits.release_idle(now, recheck=True, key=key)
-        self._talk.sweep_key(key, ledger, now)
+        self._talk.applied(key, ledger, now, contended=reply.contended)
 
     def on_failure(self, key: str, *, superseded: bool = False) -> None:
         """The in-flight message failed or timed out: retry after backoff.
@@ -348,11 +339,7 @@ class SemaphoreClient:
 
     def running(self) -> dict[str, dict[str | None, int]]:
         """Admitted, not yet released items per key and group."""
-        counts: dict[str, dict[str | None, int]] = {}
-        for permit in self._permits.admitted.values():
-            groups = counts.setdefault(permit.key, {})
-            groups[permit.group] = groups.get(permit.group, 0) + 1
-        return counts
+        return self._permits.running()
 
     def ledgers(self) -> Mapping[str, KeyLedger]:
         """This client's copy of each key's grants and leases, read-only (for inspection:
@@ -361,8 +348,7 @@ class SemaphoreClient:
 
     def kept_idle(self, key: str) -> dict[str | None, int]:
         """Permits of `key` kept idle for its next task, per group (see pass_on)."""
-        return {group: len(kept) for (k, group), kept in self._permits.idle.items()
-                if k == key}
+        return self._permits.kept_idle(key)
 
     def permit(self, item_id: str) -> Permit | None:
         """The permit an admitted, unreleased item runs under."""

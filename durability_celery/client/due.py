@@ -19,7 +19,7 @@ def due_at(ledger: KeyLedger, now: float, margin: float, *, timeout: float, dema
     Reports wait for `next_request_at` unless others are waiting (the last
     reply was contended or blocked) or the client is shutting down. While a
     message is in flight, only its timeout or `supersede_at` (the client
-    has news for the round it waits for, see SemaphoreClient._supersede_at) makes
+    has news for the round it waits for, see Talk._supersede_at) makes
     the key due.
     """
     schedule = ledger.schedule

@@ -16,6 +16,7 @@ from .due import due_at
 from .ledger import KeyLedger
 from .permits import Permits
 from .queue import ClientQueue
+from .room import Room
 
 Uncovered = tuple[list[DemandEntry], int]
 """Per group, queued items no held permit covers; and the permits held for them."""
@@ -40,12 +41,13 @@ class Talk:
     """Which keys send a message when, and the demand each carries."""
 
     def __init__(self, settings: Settings, ledgers: dict[str, KeyLedger], queue: ClientQueue,
-                 permits: Permits, *, quiet: dict[str, float], urgent: set[str],
-                 clock: Callable[[], float]) -> None:
+                 permits: Permits, room: Room, *, quiet: dict[str, float],
+                 urgent: set[str], clock: Callable[[], float]) -> None:
         self._settings = settings
         self._ledgers = ledgers
         self._queues = queue.by_key
         self._permits = permits
+        self._room = room
         self.quiet = quiet
         """key -> local time before which due() may pass the key by: not due, and nothing of
         it changes with time alone before then (see _quiet_until). Whatever changes a key
@@ -199,7 +201,7 @@ class Talk:
                      held: int) -> tuple[DemandEntry, ...]:
         if not wanted:
             return ()
-        room = self._permits.room(key)
+        room = self._room.of(key)
         if room is None:
             return tuple(wanted)
         room -= held
@@ -216,7 +218,7 @@ class Talk:
             return True  # never asked yet: no permits, no room used
         # Every arrival held under load asks this: a pool full of the key's own items
         # (one key's flood) answers it without counting the held permits per group.
-        room = self._permits.room(key)
+        room = self._room.of(key)
         if room is not None and room <= 0:
             return False
         now = self._clock()
@@ -226,6 +228,25 @@ class Talk:
             return False  # nothing _within_room would ask for
         at = self.due_at(key, ledger, now, uncovered)
         return at is not None and at <= now
+
+    def applied(self, key: str, ledger: KeyLedger, now: float, *, contended: bool) -> None:
+        """A reply of `key` was folded into its ledger: what follows from it here.
+        `contended`: the reply's own word (the ledger keeps the latest round's)."""
+        if ledger.open_grants:
+            self._permits.unused.add(key)  # permits no queued item claims go back
+        if ledger.urgent:
+            self.urgent.add(key)
+        else:
+            self.urgent.discard(key)
+        if contended:
+            # Undrawn lease permits of groups where nothing is queued go back.
+            queued = self._queues.get(key, {})
+            for lease in ledger.leases.values():
+                if lease.group not in queued:
+                    lease.stop()
+        # Only this key's copies changed; time's changes to the others are due()'s.
+        self._permits.release_idle(now, recheck=True, key=key)
+        self.sweep_key(key, ledger, now)
 
     # -- what time alone changes ---------------------------------------------------
 

@@ -1,4 +1,4 @@
-# due() passes by keys it found quiet until something changes them (_changed). Rule
+# due() passes by keys it found quiet until something changes them (Talk.changed). Rule
 # under test: every change that can make a key due sooner marks it (a claim, a draw, a
 # release, the queue, a permit kept idle while another group of the key waits), and
 # permits moving between a key's own items (reused from idle, kept idle) do not, so a
