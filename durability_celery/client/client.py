@@ -51,6 +51,8 @@ class SemaphoreClient:
     leases: the lease a key's first round issues serves the rest of a burst, and
     asking for the burst would take the room that lease comes from (grants are
     allocated first), leaving each worker a grant sized by who asked first."""
+    stopped: bool
+    """stop() ran: nothing more is admitted, every lease is reported stopped (read only)."""
     free_slots: Callable[[], int] | None
     """The pool's free slots now, shared by every key (None: unknown). With it, a key
     asks for no more than those and the soon-free ones (Room.of), whatever its
@@ -73,7 +75,7 @@ class SemaphoreClient:
             raise CallerError("claim_margin, handoff_window, handoff_linger, lease_idle, "
                               "supersede_after and ask_early must be >= 0 and "
                               "request_timeout > 0")
-        self._stopped = False
+        self.stopped = False
         self._clock = clock
         self._ledgers: dict[str, KeyLedger] = {}
         self._queue = ClientQueue()
@@ -133,11 +135,11 @@ class SemaphoreClient:
 
     def enqueue(self, key: str, group: str | None, item_id: str, *, enqueued_at: float) -> bool:
         """Queue an item for a permit; False (no change) if it is already queued or admitted."""
-        if item_id in self._queue or item_id in self._permits.admitted:
+        if item_id in self._queue.items or item_id in self._permits.admitted:
             return False
         self._ledger(key)  # validates the key before anything changes
         self._queue.add(key, group, item_id, float(enqueued_at))
-        self._talk.changed(key)
+        self._talk.quiet.pop(key, None)  # changed: the next due() looks at it again
         return True
 
     def cancel(self, item_id: str) -> bool:
@@ -147,7 +149,7 @@ class SemaphoreClient:
     def admit(self, *, limit: int | None = None) -> list[Permit]:
         """Give permits to queued items, oldest first (see Permits.take for which permit
         each gets)."""
-        if self._stopped or (limit is not None and limit <= 0):
+        if self.stopped or (limit is not None and limit <= 0):
             return []
         now = self._clock()
         permits: list[Permit] = []
@@ -170,7 +172,7 @@ class SemaphoreClient:
         (no change): queue it. Most arrivals of a key whose limit does not bind end here,
         and this skips the queue's bookkeeping both ways."""
         admitted = self._permits.admitted
-        if self._stopped or item_id in self._queue.items or item_id in admitted:
+        if self.stopped or item_id in self._queue.items or item_id in admitted:
             return None
         ledger = self._ledgers.get(key)
         if ledger is None:
@@ -190,7 +192,8 @@ class SemaphoreClient:
         Each is reported claimed and released (cumulative marks, so it is freed once), at
         once: kept, it would idle here while others wait. A kept permit is looked at again
         at every admission, and goes back well before its claim margin."""
-        return self._room.return_unused()
+        # Every pump asks every semaphore's client: most have nothing to look at.
+        return bool(self._permits.unused) and self._room.return_unused()
 
     def room_changed(self) -> None:
         """Pool slots came free, or running items changed: keys with queued items may ask
@@ -300,7 +303,7 @@ class SemaphoreClient:
             ledger.schedule.fail(now, f"{reply.code}: {reply.message}",
                                  cap=self.request_timeout, superseded=superseded)
             return
-        ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self._stopped,
+        ledger.apply(reply, now=now, supports_leases=self.supports_leases, stopped=self.stopped,
                      ask_early=self.ask_early, superseded=superseded)
         self._talk.applied(key, ledger, now, contended=reply.contended)
 
@@ -313,7 +316,7 @@ class SemaphoreClient:
 
     def stop(self) -> None:
         """Shutdown: stop every lease (reported stopped=true); admit nothing more."""
-        self._stopped = True
+        self.stopped = True
         self._talk.quiet.clear()
         self._permits.release_idle(self._clock(), recheck=True)
         for ledger in self._ledgers.values():
@@ -367,26 +370,22 @@ class SemaphoreClient:
         blocked): claims, draws and releases are then due at once, not at next_request_at."""
         # `urgent` holds exactly the keys whose ledger is urgent (on_response keeps it),
         # and a set lookup is what this costs each admitted task that ends.
-        return key in self._talk.urgent or (self._stopped and key in self._ledgers)
+        return key in self._talk.urgent or (self.stopped and key in self._ledgers)
 
     def waited_on_any(self) -> bool:
         """Others wait for this client's reports on some key (see waited_on)."""
-        return self._stopped or bool(self._talk.urgent)
+        return self.stopped or bool(self._talk.urgent)
 
     def settled(self) -> bool:
         """Nothing left to report: leases settled, grants done, nothing queued."""
         self._talk.sweep(self._clock())
-        return not self._queue and all(not (lg.grants or lg.leases)
+        return not self._queue.items and all(not (lg.grants or lg.leases)
                                        for lg in self._ledgers.values())
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
 
     @property
     def has_queued(self) -> bool:
         """Some item waits for a permit (admit() would look at it)."""
-        return bool(self._queue)
+        return bool(self._queue.items)
 
     def _ledger(self, key: str) -> KeyLedger:
         ledger = self._ledgers.get(key)

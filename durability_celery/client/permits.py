@@ -46,8 +46,7 @@ class Settings(Protocol):
     handoff_window: float
     handoff_linger: float
 
-    @property
-    def stopped(self) -> bool: ...
+    stopped: bool
 
 
 class Permits:

@@ -33,12 +33,6 @@ class ClientQueue:
         """key -> group -> queued items, oldest first; a key or group with none is absent."""
         self._seq = itertools.count()
 
-    def __contains__(self, item_id: str) -> bool:
-        return item_id in self.items
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
     def add(self, key: str, group: str | None, item_id: str, enqueued_at: float) -> None:
         item = Queued(item_id, key, group, enqueued_at, next(self._seq))
         self.items[item_id] = item

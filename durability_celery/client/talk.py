@@ -33,8 +33,7 @@ class Settings(Protocol):
     @property
     def lease_idle(self) -> float | None: ...
 
-    @property
-    def stopped(self) -> bool: ...
+    stopped: bool
 
 
 class Talk:
