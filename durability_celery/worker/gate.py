@@ -85,19 +85,10 @@ class Hooks:
 
 
 @dataclass
-class _InFlight:
-    correlation_id: str
-    sent_at: float
-    older: tuple[str, ...] = ()
-    """Correlation ids of the older messages this one superseded, still answered."""
-
-
-@dataclass
 class GateState:
     held: dict[str, Held] = field(default_factory=dict)
     running: dict[str, str] = field(default_factory=dict)
     """Admitted, unreleased item -> semaphore name."""
-    in_flight: dict[tuple[str, str], _InFlight] = field(default_factory=dict)
     raised: int = 0
     admitted_from: dict[str, int] = field(
         default_factory=lambda: {"lease": 0, "grant": 0, "handoff": 0})
@@ -342,7 +333,7 @@ class Gate:
             if now >= self._next_watch:
                 self._next_watch = now + WATCH_INTERVAL
                 self._watch_holder()
-            return self._collect_due(now)
+            return self._collect_due()
 
     def _watch_holder(self) -> None:
         """Say once when a key's requests go unanswered while its tasks wait (no holder
@@ -547,54 +538,33 @@ class Gate:
 
     # -- the holder ------------------------------------------------------------
 
-    def _collect_due(self, now: float) -> list[Outgoing]:
+    def _collect_due(self) -> list[Outgoing]:
         out = []
         for name, client in self.clients.items():
             for key in client.due():
                 correlation_id = f"{self._correlation_prefix}-{next(self._correlation)}"
-                body = client.message(key)
-                # The newest message per key is awaited, and the one it superseded (see
-                # SemaphoreClient.supersede_after); a late reply to any older one is
-                # dropped: the next reply lists every grant and lease anyway.
-                previous = self.state.in_flight.get((name, key))
-                older: tuple[str, ...] = ()
-                if previous is not None and client.superseding(key):
-                    older = (*previous.older, previous.correlation_id)
-                self.state.in_flight[(name, key)] = _InFlight(correlation_id, now, older)
+                # The client keeps which replies it awaits (SemaphoreClient.on_reply).
+                body = client.message(key, correlation_id=correlation_id)
                 out.append(Outgoing(name, key, correlation_id, body))
         return out
 
     def failed(self, message: Outgoing) -> None:
         """Publishing `message` failed: the client backs off and asks again."""
         with self.lock:
-            waiting = self.state.in_flight.get((message.semaphore, message.key))
-            if waiting is not None and waiting.correlation_id == message.correlation_id:
-                del self.state.in_flight[(message.semaphore, message.key)]
-                self.clients[message.semaphore].on_failure(message.key)
+            self.clients[message.semaphore].unsent(message.key, message.correlation_id)
 
     def on_reply(self, correlation_id: str | None, body: object) -> bool:
         """A reply from a holder; False if it answers no message we still await."""
         with self.lock:
             self.settle_ended()  # the reply then meets the client as it stands
-            match = next((sk for sk, f in self.state.in_flight.items()
-                          if correlation_id == f.correlation_id
-                          or correlation_id in f.older), None)
+            match = next(((name, key) for name, client in self.clients.items()
+                          if (key := client.on_reply(correlation_id, body)) is not None), None)
             if match is None:
                 return False
             semaphore, key = match
             client = self.clients[semaphore]
-            waiting = self.state.in_flight[match]
-            superseded = correlation_id != waiting.correlation_id
-            if superseded:
-                waiting.older = tuple(c for c in waiting.older if c != correlation_id)
-            else:
-                del self.state.in_flight[match]
-            if isinstance(body, dict):
-                client.on_response(key, body, superseded=superseded)
-            else:
-                client.on_failure(key, superseded=superseded)
-            if match in self._unanswered and client.last_error(key) is None:
-                self._unanswered.discard(match)
+            if (semaphore, key) in self._unanswered and client.last_error(key) is None:
+                self._unanswered.discard((semaphore, key))
                 logger.info("durability: the holder of %s/%s answers again", semaphore, key)
             self._waited_on = any(c.waited_on_any() for c in self.clients.values())
         self.hooks.wake(True)
@@ -622,8 +592,8 @@ class Gate:
             for semaphore, permit in self.state.passed:
                 self.clients[semaphore].release(permit.item_id)
             self.state.passed.clear()
-            # in_flight stays: replies still arrive on the reply queue, which the
-            # restarted step (or the final report) consumes again.
+            # The clients still await their replies: they arrive on the reply queue,
+            # which the restarted step (or the final report) consumes again.
             return forgotten
 
     def stop(self) -> None:

@@ -91,7 +91,7 @@ def _seconds(at: float, now: float) -> float | None:
 def _next_request_in(ledger: KeyLedger, now: float) -> float | None:
     """When the next report is due; None before the first reply, whose next_request_at
     is still the ledger's 0.0 (shown as minus the epoch otherwise)."""
-    at = ledger.next_request_at
+    at = ledger.schedule.next_request_at
     return None if at <= 0 else _seconds(at, now)
 
 
@@ -110,14 +110,14 @@ def _key_permits(client: SemaphoreClient, key: str, ledger: KeyLedger,
                "expires_in": _seconds(le.expires_at, now), "stopped": le.stopped,
                "retired": le.retired}
               for le in ledger.leases.values()]
-    in_flight = ledger.in_flight
+    in_flight = ledger.schedule.in_flight
     return {"semaphore": client.semaphore, "key": key, "grants": grants, "leases": leases,
             "kept_idle": [{"group": group, "permits": count}
                           for group, count in client.kept_idle(key).items()],
             "contended": ledger.contended, "over_limit": ledger.over_limit,
             "next_request_in": _next_request_in(ledger, now),
             "waiting_for_reply": None if in_flight is None else round(now - in_flight.sent_at, 3),
-            "error": ledger.last_error}
+            "error": ledger.schedule.last_error}
 
 
 def describe_permits(gate: Gate) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def _held_facts(gate: Gate, item: str, entry: Held, now: float) -> dict[str, Any
     the tasks of its key and group held here (oldest first, as the client admits them)."""
     client = gate.clients[entry.semaphore]
     ledger = client.ledgers().get(entry.key)
-    in_flight = ledger.in_flight if ledger is not None else None
+    in_flight = ledger.schedule.in_flight if ledger is not None else None
     mine = (entry.enqueued_at, item)
     ahead = sum(1 for other, held in gate.state.held.items()
                 if (held.semaphore, held.key, held.group) == (entry.semaphore, entry.key,

@@ -382,7 +382,7 @@ class ClientMachine(RuleBasedStateMachine):
     @invariant()
     def passing_quiet_keys_by_misses_nothing(self) -> None:
         fresh = copy.deepcopy(self.client)
-        fresh._quiet.clear()
+        fresh._talk.quiet.clear()
         assert self.client.due() == fresh.due(), "a key found quiet was due"
         assert ({k: lg.reports() for k, lg in self.client._ledgers.items()}
                 == {k: lg.reports() for k, lg in fresh._ledgers.items()}), "a sweep was missed"

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from durability_celery.client.client import SOON_FREE_WAIT
+from durability_celery.client.room import SOON_FREE_WAIT
 from durability_celery.worker.gate import Gate, item_id
 
 from .gate_fakes import FakeRequest, Loop

@@ -353,7 +353,7 @@ def test_an_idle_permit_whose_lease_expired_meanwhile_goes_back_instead_of_runni
 
 def test_an_idle_lease_permit_is_kept_no_longer_than_its_lease_may_pass_it_on() -> None:
     # Its time to go back is the earlier of the linger and the lease's local expiry: an
-    # arrival then checks only that time (SemaphoreClient._reuse_idle), and the pump
+    # arrival then checks only that time (Permits._reuse_idle), and the pump
     # gives it back as soon as it can no longer run anything.
     clock = FakeClock()
     client = leased(clock, permits=2, expires_in=10.0, linger=30.0)

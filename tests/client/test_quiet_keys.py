@@ -1,4 +1,4 @@
-# due() passes by keys it found quiet until something changes them (_changed). Rule
+# due() passes by keys it found quiet until something changes them (Talk.changed). Rule
 # under test: every change that can make a key due sooner marks it (a claim, a draw, a
 # release, the queue, a permit kept idle while another group of the key waits), and
 # permits moving between a key's own items (reused from idle, kept idle) do not, so a
@@ -17,13 +17,13 @@ AFTER = 0.5
 def _count_examinations(client: SemaphoreClient) -> list[str]:
     """The keys due() looks at (not passed by as quiet), as it looks at them."""
     seen: list[str] = []
-    examine = client._sweep_key
+    examine = client._talk.sweep_key
 
     def counting(key: str, *args: Any) -> bool:
         seen.append(key)
         return examine(key, *args)
 
-    client._sweep_key = counting  # type: ignore[method-assign]
+    client._talk.sweep_key = counting  # type: ignore[method-assign]
     return seen
 
 

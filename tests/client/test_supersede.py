@@ -123,7 +123,7 @@ def test_a_reply_to_the_newer_message_answers_both() -> None:
     assert not client.superseding(KEY)
     assert len(client.admit()) == 2
     ledger = client._ledgers[KEY]
-    assert ledger.in_flight is None and ledger.superseded is None
+    assert ledger.schedule.in_flight is None and ledger.schedule.superseded is None
     # Anchored on the older send: the round may have been the one it waited in.
     assert ledger.grants["g1"].claim_deadline == first_sent + 10
 
@@ -134,10 +134,10 @@ def test_an_error_reply_to_the_superseded_message_changes_nothing() -> None:
     for bad in (error(), {"v": 1, "garbage": True}):
         client.on_response(KEY, bad, superseded=True)
         ledger = client._ledgers[KEY]
-        assert ledger.failures == 0 and ledger.backoff_until == 0.0
-        assert ledger.in_flight is not None
+        assert ledger.schedule.failures == 0 and ledger.schedule.backoff_until == 0.0
+        assert ledger.schedule.in_flight is not None
     client.on_response(KEY, error())  # the newer one failing is a failure
-    assert client._ledgers[KEY].failures == 1
+    assert client._ledgers[KEY].schedule.failures == 1
 
 
 class _NoHooks:
@@ -166,9 +166,9 @@ def test_the_gate_awaits_both_messages_and_drops_what_it_no_longer_awaits() -> N
     answer = reply(clock.now, grants=[grant("g1", permits=2, claim_deadline=clock.now + 10)])
     assert gate.on_reply(first.correlation_id, answer)
     assert gate.on_reply(first.correlation_id, answer) is False  # a duplicate
-    assert (SEM, KEY) in gate.state.in_flight
+    assert client.awaited(KEY) == (second.correlation_id,)
     assert gate.on_reply(second.correlation_id, answer)
-    assert gate.state.in_flight == {}
+    assert client.awaited(KEY) == ()
     assert gate.on_reply(second.correlation_id, answer) is False
 
 
@@ -205,8 +205,8 @@ def test_the_gate_awaits_every_older_message_and_anchors_them_on_the_oldest() ->
     (second,) = gate.pump()  # more demand supersedes it
     client.release(t1.item_id)
     (third,) = gate.pump()  # capacity back, past the message already superseding
-    assert gate.state.in_flight[(SEM, KEY)].older == (first.correlation_id,
-                                                      second.correlation_id)
+    assert client.awaited(KEY) == (first.correlation_id, second.correlation_id,
+                                   third.correlation_id)
     # The middle one's reply, from a later round: its grant's claim deadline counts from
     # the oldest awaited message's send time, the safe anchor.
     round_at = clock.now + 5.0
@@ -216,6 +216,6 @@ def test_the_gate_awaits_every_older_message_and_anchors_them_on_the_oldest() ->
     assert client.ledgers()[KEY].grants["g2"].claim_deadline == first_sent + 10
     assert client.superseding(KEY)
     assert gate.on_reply(first.correlation_id, reply(clock.now, contended=True))
-    assert not client.superseding(KEY) and (SEM, KEY) in gate.state.in_flight
+    assert not client.superseding(KEY) and client.awaited(KEY) == (third.correlation_id,)
     assert gate.on_reply(third.correlation_id, reply(clock.now, contended=True))
-    assert gate.state.in_flight == {}
+    assert client.awaited(KEY) == ()

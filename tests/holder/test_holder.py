@@ -205,7 +205,7 @@ def test_a_client_aiming_as_the_library_does_makes_the_told_round_despite_lag(
     lag = max(0.0, 0.12 - 2 * polling)
     replies = [client.request(key)]
     for _ in range(3):
-        aim = client.client._ledgers[key].next_request_at
+        aim = client.client._ledgers[key].schedule.next_request_at
         time.sleep(max(0.0, aim + lag - time.time()))
         replies.append(client.request(key))
     _assert_on_time(_lateness(replies))
