@@ -4,7 +4,8 @@
 # the flags the rest of the client reads follow from the state alone.
 from __future__ import annotations
 
-from typing import get_args
+from collections.abc import Callable
+from typing import Any, get_args
 
 import pytest
 
@@ -42,33 +43,26 @@ def test_the_tables_name_only_known_states_and_events() -> None:
     assert {e for _, e in LEASE_COPY_MOVES} == set(LEASE_EVENTS)
 
 
-@pytest.mark.parametrize("state", GRANT_STATES)
-@pytest.mark.parametrize("event", list(GRANT_EVENTS))
-def test_a_grant_copy_moves_only_as_its_table_says(state: GrantCopyState, event: str) -> None:
-    copy = _grant(state)
-    target = GRANT_COPY_MOVES.get((state, event))
-    if target is None:
-        with pytest.raises(IllegalTransition) as raised:
-            GRANT_EVENTS[event](copy)
-        assert (raised.value.ident, raised.value.state, raised.value.event) == ("g1", state, event)
-        assert copy == _grant(state), "a refused move changed the copy"
-    else:
-        GRANT_EVENTS[event](copy)
-        assert copy.state == target
+MOVES = ([("grant", state, event) for state in GRANT_STATES for event in GRANT_EVENTS]
+         + [("lease", state, event) for state in LEASE_STATES for event in LEASE_EVENTS])
 
 
-@pytest.mark.parametrize("state", LEASE_STATES)
-@pytest.mark.parametrize("event", list(LEASE_EVENTS))
-def test_a_lease_copy_moves_only_as_its_table_says(state: LeaseCopyState, event: str) -> None:
-    copy = _lease(state)
-    target = LEASE_COPY_MOVES.get((state, event))
+@pytest.mark.parametrize(("kind", "state", "event"), MOVES)
+def test_a_copy_moves_only_as_its_table_says(kind: str, state: str, event: str) -> None:
+    parts: tuple[Callable[[Any], Any], dict[Any, Any], dict[str, Callable[[Any], Any]], str]
+    parts = (
+        (_grant, GRANT_COPY_MOVES, GRANT_EVENTS, "g1") if kind == "grant"
+        else (_lease, LEASE_COPY_MOVES, LEASE_EVENTS, "l1"))
+    make, table, events, ident = parts
+    copy = make(state)
+    target = table.get((state, event))
     if target is None:
         with pytest.raises(IllegalTransition) as raised:
-            LEASE_EVENTS[event](copy)
-        assert (raised.value.ident, raised.value.state, raised.value.event) == ("l1", state, event)
-        assert copy == _lease(state), "a refused move changed the copy"
+            events[event](copy)
+        assert (raised.value.ident, raised.value.state, raised.value.event) == (ident, state, event)
+        assert copy == make(state), "a refused move changed the copy"
     else:
-        LEASE_EVENTS[event](copy)
+        events[event](copy)
         assert copy.state == target
 
 
