@@ -58,10 +58,11 @@ SUMMARY_INTERVAL = 30.0
 _PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
                   "interval_max": 0.2}
 
-def unadmitted_active() -> int:
-    """Pool slots taken by requests the gate did not admit (admitted ones carry their
-    release hook, and the gate counts those itself)."""
-    return celery_worker.count_active_without(RELEASE_ATTRIBUTE)
+unadmitted_active: Callable[[], int] = partial(celery_worker.count_active_without,
+                                              RELEASE_ATTRIBUTE)
+"""Pool slots taken by requests the gate did not admit (admitted ones carry their
+release hook, and the gate counts those itself). A partial, not a function that calls
+it: the gate asks for every admission."""
 
 
 class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]

@@ -18,12 +18,12 @@ from durability_celery.client import blocking
 from durability_celery.queues import holder_queue_declaration
 
 from .conftest import HERE, Backend, HolderRig, semaphore_config
+from .conftest import RABBITMQ_URL as RABBITMQ
 from .holder_app import CONFIG_ENV, shard_queue_declaration
 from .test_holder import run_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
 QUORUM = {"x-queue-type": "quorum"}
 LIMIT = 2
 
