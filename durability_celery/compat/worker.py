@@ -164,6 +164,12 @@ def before_connection_teardown(c: Any, hook: Callable[[], None]) -> None:
     c.on_connection_error_after_connected = on_connection_error_after_connected
 
 
+def pool_handoff(c: Any) -> Callable[[Any], None]:
+    """The consumer's own hand-off of a ready request to the pool (Consumer.on_task_request,
+    set when the consumer is built, which the default strategy calls)."""
+    return c.on_task_request  # type: ignore[no-any-return]
+
+
 def task_channel(c: Any) -> Any:
     """The channel the consumer `c` receives task messages on; None before it has one."""
     return getattr(getattr(c, "task_consumer", None), "channel", None)

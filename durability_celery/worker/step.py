@@ -134,7 +134,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             supersede_after=config.round_wait / 2, supersede_demand=config.leases is None)
 
     def _hooks(self, c: Any) -> Hooks:
-        self._real_handoff = c.on_task_request
+        self._real_handoff = celery_worker.pool_handoff(c)
         # solo runs the task inline, inside the handoff: it waits for run_deferred, so
         # that the gate's lock is released and a pump's messages are published first (a
         # claim must reach the holder before its deadline, however long the task).
