@@ -37,13 +37,14 @@ from celery.worker import state as worker_state
 
 from durability_celery.client import SemaphoreClient
 from durability_celery.worker.gate import Gate, Hooks
-from durability_celery.worker.step import unadmitted_active
-from durability_celery.worker.task import (
+from durability_celery.worker.headers import (
     HEADER_ENQUEUED_AT,
     HEADER_GROUP,
     HEADER_KEY,
     HEADER_SEMAPHORE,
 )
+from durability_celery.worker.plumbing import celery_requests
+from durability_celery.worker.step import unadmitted_active
 
 SEMAPHORE, KEY = "bench", "acct-1"
 TIMER_EVERY = 32
@@ -100,7 +101,8 @@ def make_gate(wakes: list[bool] | None = None) -> Gate:
     hooks = Hooks(handoff=lambda request: None, pool_size=lambda: POOL,
                   busy=unadmitted_active,
                   qos_increment=lambda: None, qos_decrement=lambda: None,
-                  wake=lambda collect: None if wakes is None else wakes.append(collect))
+                  wake=lambda collect: None if wakes is None else wakes.append(collect),
+                  requests=celery_requests())
     names = [SEMAPHORE] + [f"unused-{i}" for i in range(5)]
     clients = {name: SemaphoreClient(name, client_id="bench/1", handoff_window=60.0,
                                      handoff_linger=1.0, supersede_after=0.5)

@@ -15,15 +15,19 @@ MAX_BODY_BYTES = 1024 * 1024
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def holder_queue_declaration(name: str) -> Queue:
+def holder_queue_declaration(name: str, *, arguments: dict[str, Any] | None = None) -> Queue:
     """A holder shard queue.
 
     Durable and never expiring: requests published while the holder restarts
     wait in it and are served by the next holder. Bound to the default
     exchange only, so the routing key is the queue name on every transport.
+    `arguments`: its declaration's queue arguments, e.g. {"x-queue-type": "quorum"}
+    on RabbitMQ (docs/operations.md); every side that declares the queue must pass
+    the same, or RabbitMQ refuses the later declarations.
     """
     return Queue(  # type: ignore[no-untyped-call]
-        name, routing_key=name, durable=True, auto_delete=False
+        name, routing_key=name, durable=True, auto_delete=False,
+        queue_arguments=arguments or None,
     )
 
 

@@ -1,77 +1,17 @@
-# kombu's filesystem transport with atomic writes, registered as the broker
-# URL scheme `durability-filesystem://` (same transport options as
-# `filesystem://`): the embedded broker of the demo, worker_config's default
-# and the examples. Rule: a consumer never sees a half-written file.
-#
-# Why: kombu's filesystem transport creates a message file, then locks and
-# writes it, while consumers move and read files without taking the lock; a
-# consumer that picks a file up between create and write reads b"" and the
-# message is lost or the worker dies with
-# JSONDecodeError. The same happens to an exchange file that two processes
-# create at once. Here both are written under a name no reader picks up and
-# renamed (or hard-linked) into place, so readers see all or nothing (the
-# temporary name and the exchange file's path come from compat.py).
+# The embedded broker: kombu's filesystem transport with atomic writes
+# (compat/filesystem.py, which says why), registered as the broker URL scheme
+# `durability-filesystem://` (same transport options as `filesystem://`): the
+# demo's broker, worker_config's default and the examples'. Rule: a consumer
+# never sees a half-written file.
 from __future__ import annotations
 
-import os
-import uuid
-from pathlib import Path
-from time import monotonic
-from typing import Any
+from kombu.transport import TRANSPORT_ALIASES
 
-from kombu.exceptions import ChannelError
-from kombu.transport import TRANSPORT_ALIASES, filesystem
-from kombu.utils import json as kombu_json
-
-from . import compat
+from .compat.filesystem import Channel, Transport
 
 SCHEME = "durability-filesystem"
 
-# kombu's own encoder (it handles the types kombu puts into a payload).
-_dumps: Any = kombu_json.dumps
-
-
-def _write_atomically(final: Path, data: bytes, *, replace: bool) -> bool:
-    """Write `data` to `final` all at once; with replace=False, only if it does not exist."""
-    tmp = compat.temporary_beside(final)
-    tmp.write_bytes(data)
-    try:
-        if replace:
-            os.replace(tmp, final)
-            return True
-        try:
-            os.link(tmp, final)  # fails if another process created it first
-        except FileExistsError:
-            return False
-        return True
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-class Channel(filesystem.Channel):
-    # kombu itself declares _put twice with different parameter names.
-    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        # Readers pick files named "<prefix>.<queue>.msg"; the temporary name never matches.
-        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
-        try:
-            _write_atomically(Path(self.data_folder_out) / name,
-                              str(_dumps(payload)).encode(), replace=True)
-        except OSError as exc:
-            raise ChannelError(f"Cannot add file {name!r} to directory") from exc
-
-    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
-        file = compat.exchange_file(self, exchange)
-        if not file.exists():
-            self.control_folder.mkdir(exist_ok=True)
-            _write_atomically(file, b"[]", replace=False)
-        # The file exists now: kombu's locked read-modify-write path adds the binding.
-        bind: Any = super()._queue_bind
-        bind(exchange, routing_key, pattern, queue)
-
-
-class Transport(filesystem.Transport):
-    Channel = Channel
+__all__ = ["SCHEME", "Channel", "Transport", "register"]
 
 
 def register() -> None:

@@ -1,8 +1,12 @@
-# durability_celery/compat.py without services: the version check's one line,
-# and each shim on a kombu that has the feature and on one that lacks it (fakes
-# standing in for the objects of the other kombu).
+# durability_celery/compat/ without services: the version check's one line;
+# each kombu shim's two implementations, on objects of a kombu that has the
+# feature and of one that lacks it (fakes standing in for the other kombu), and
+# the choice made at import matching the installed kombu's features (this file
+# runs on every release scripts/versions tests); and that no module outside
+# compat/ reaches Celery's or kombu's internals.
 from __future__ import annotations
 
+import ast
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +19,7 @@ from kombu.transport import filesystem
 
 from durability_celery import compat
 from durability_celery.app import Durability
+from durability_celery.compat import broker
 from durability_celery.errors import ConfigurationError
 
 
@@ -59,7 +64,7 @@ class _NoBatchProducer:
 
 
 def test_a_producer_without_batches_publishes_at_once() -> None:
-    assert compat.open_publish_batch(_NoBatchProducer()) is None
+    assert broker.no_batch(_NoBatchProducer()) is None
 
 
 def test_a_producer_with_batches_opens_one() -> None:
@@ -70,7 +75,7 @@ def test_a_producer_with_batches_opens_one() -> None:
             opened.append(1)
             return contextlib.nullcontext()
 
-    batch = compat.open_publish_batch(BatchProducer())
+    batch = broker.batch_of(BatchProducer())
     assert batch is not None and opened == [1]  # made, not yet entered
 
 
@@ -121,14 +126,14 @@ class _OldRedisChannel:
         return f"{queue}{self.sep}{pri}" if pri else queue
 
 
-def test_expiry_is_detected_by_feature() -> None:
-    assert not compat.redis_applies_queue_expiry(_OldRedisChannel())
+def test_each_shim_is_chosen_by_the_installed_kombu() -> None:
+    from kombu.transport import redis
 
-    class NewRedisChannel(_OldRedisChannel):
-        def _get_queue_expire(self, args: Any) -> int | None:
-            return None
-
-    assert compat.redis_applies_queue_expiry(NewRedisChannel())
+    assert (compat.open_publish_batch is broker.batch_of) == hasattr(Producer, "batch")
+    assert compat.redis_applies_queue_expiry(_OldRedisChannel()) == hasattr(
+        redis.Channel, "_get_queue_expire")
+    assert (compat.exchange_file is broker.kombus_exchange_file) == hasattr(
+        filesystem.Channel, "_exchange_file")
 
 
 def test_expiry_by_hand_covers_every_priority_list_in_one_round_trip() -> None:
@@ -148,7 +153,7 @@ def test_exchange_file_without_kombus_helper(tmp_path: Path) -> None:
         control_folder = tmp_path
 
     expected = tmp_path / "celery.pidbox.exchange"
-    assert compat.exchange_file(OldChannel(), "celery.pidbox") == expected
+    assert broker.local_exchange_file(OldChannel(), "celery.pidbox") == expected
 
 
 def test_exchange_file_with_kombus_helper_is_kombus(tmp_path: Path) -> None:
@@ -158,7 +163,7 @@ def test_exchange_file_with_kombus_helper_is_kombus(tmp_path: Path) -> None:
         def _exchange_file(self, exchange: str) -> Path:
             return tmp_path / "by-kombu"
 
-    assert compat.exchange_file(NewChannel(), "x") == tmp_path / "by-kombu"
+    assert broker.kombus_exchange_file(NewChannel(), "x") == tmp_path / "by-kombu"
 
 
 def test_the_local_exchange_path_matches_the_installed_kombu(tmp_path: Path) -> None:
@@ -180,3 +185,39 @@ def test_a_temporary_name_is_never_a_message_of_any_queue(tmp_path: Path, queue:
     assert tmp.parent == final.parent and tmp != final
     assert ".msg" not in tmp.name  # kombu < 5.7 matches ".<queue>.msg" anywhere in a name
     assert compat.temporary_beside(final) != tmp
+
+
+# Nothing outside compat/ reaches Celery's worker internals or kombu's transports
+
+_INTERNAL_MODULES = ("celery.worker.state", "celery.worker.strategy", "celery.worker.consumer",
+                     "celery.concurrency", "kombu.transport.redis", "kombu.transport.virtual",
+                     "kombu.transport.filesystem")
+_PRIVATE_NAMES = {"_raw", "_dirty", "_delivered", "_do_restore_message", "_q_for_pri",
+                  "_exchange_file", "_get_queue_expire", "_context", "_limit_task",
+                  "_limit_post_eta", "_put", "_queue_bind", "_eta_timer_entry"}
+"""Underscore attributes of Celery's and kombu's objects that compat/ reaches."""
+
+
+def _outside_compat() -> Iterator[tuple[Path, ast.AST]]:
+    package = Path(compat.__file__).parent.parent
+    for path in sorted(package.rglob("*.py")):
+        if "compat" not in path.relative_to(package).parts:
+            yield from ((path, node) for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_only_compat_imports_celery_and_kombu_internals() -> None:
+    found = []
+    for path, node in _outside_compat():
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [f"{node.module}.{alias.name}" for alias in node.names]
+                 if isinstance(node, ast.ImportFrom) else [])
+        found += [f"{path.name}: {name}" for name in names
+                  if name.startswith(_INTERNAL_MODULES)]
+    assert found == []
+
+
+def test_only_compat_touches_celery_and_kombu_private_attributes() -> None:
+    found = [f"{path.name}:{node.lineno}" for path, node in _outside_compat()
+             if (isinstance(node, ast.Attribute) and node.attr in _PRIVATE_NAMES)
+             or (isinstance(node, ast.Constant) and node.value in _PRIVATE_NAMES)]
+    assert found == []

@@ -18,9 +18,10 @@ from kombu.messaging import Consumer, Producer
 from ..errors import DurabilityError
 from ..registry import Configuration
 from . import visibility  # noqa: F401  (registers the durability_held inspect command)
+from .headers import HEADER_SEMAPHORE
 from .metrics_step import MetricsStep, add_worker_options
 from .step import GateStep
-from .task import HEADER_SEMAPHORE, AdmittedTask, check_at_decoration
+from .task import AdmittedTask, check_at_decoration
 
 logger = logging.getLogger("durability_celery.worker")
 

@@ -10,7 +10,12 @@ from typing import Any
 
 from celery.worker.request import Request
 
+from ..compat.worker import PER_TASK_REQUEST_METHODS
+
 Release = Callable[[str], object]
+RELEASE_ATTRIBUTE = "_durability_release"
+"""The attribute an admitted request's release hook is kept in (None: never admitted)."""
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {}
 
 
 class AdmittedRequest(Request):  # type: ignore[misc]
@@ -22,15 +27,14 @@ class AdmittedRequest(Request):  # type: ignore[misc]
     _durability_item = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Celery's strategy builds a subclass per task (create_request_cls) whose own
-        # on_success and execute_using_pool shadow any base class's (celery#4526).
-        # Wrapped here, once per class, not per request: a closure per request would be
-        # built for every task, on the worker's busiest path.
+        # The methods Celery's per-task subclass redefines (compat.worker
+        # PER_TASK_REQUEST_METHODS) are wrapped here, once per class, not per request:
+        # a closure per request would be built for every task, on the worker's busiest
+        # path.
         super().__init_subclass__(**kwargs)
-        if "on_success" in cls.__dict__:
-            cls.on_success = _then_ended(cls.__dict__["on_success"])
-        if "execute_using_pool" in cls.__dict__:
-            cls.execute_using_pool = _ended_if_raises(cls.__dict__["execute_using_pool"])
+        for name in PER_TASK_REQUEST_METHODS:
+            if name in cls.__dict__:
+                setattr(cls, name, _WRAPPERS[name](cls.__dict__[name]))
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:
@@ -80,6 +84,9 @@ def _ended_if_raises(execute_using_pool: Callable[..., Any]) -> Callable[..., An
             raise
 
     return execute_or_release
+
+
+_WRAPPERS.update(on_success=_then_ended, execute_using_pool=_ended_if_raises)
 
 
 def instrument(request: Any, item: str, release: Release) -> None:

@@ -12,21 +12,24 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from celery import bootsteps
-from celery.concurrency.solo import TaskPool as SoloPool
-from celery.worker import state as worker_state
 from kombu.common import ignore_errors
 from kombu.messaging import Consumer, Producer
 
 from ..client import SemaphoreClient
+from ..compat import worker as celery_worker
 from ..metrics import served_by
 from ..queues import reply_queue_declaration, safe_queue_part
 from ..registry import Configuration
 from ..routing import reply_queue
 from ..semaphore import DurabilitySemaphore
 from .gate import Gate, Hooks, Outgoing, item_id
+from .limits import DEFAULT_HOLD_DEADLINE, hold_deadline, warn_about_prefetch
+from .plumbing import celery_requests
+from .request import RELEASE_ATTRIBUTE
 from .teardown import Orphan, give_back, guard_connection_loss, unreturned, watch_pops
 from .visibility import log_summary, occupancy
 
@@ -55,62 +58,11 @@ SUMMARY_INTERVAL = 30.0
 _PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
                   "interval_max": 0.2}
 
-# Most brokers redeliver an unacked message after a while: Redis after its
-# visibility_timeout (even to a live worker), RabbitMQ closes the channel past
-# consumer_timeout (30 min by default). Hand held messages back well before.
-DEFAULT_REDIS_VISIBILITY = 3600.0
-DEFAULT_HOLD_DEADLINE = 900.0
-
-
-def hold_deadline(app: Any, driver_type: str, configured: float | None) -> float:
-    """The configured hold deadline, else half the broker's redelivery limit, at most
-    15 minutes. A configured one at or past Redis's `visibility_timeout` is kept, with
-    a warning: Redis then redelivers held messages to other workers while this one still
-    holds them, and each delivery may run."""
-    visibility = None
-    if driver_type == "redis":
-        options = app.conf.broker_transport_options or {}
-        visibility = float(options.get("visibility_timeout", DEFAULT_REDIS_VISIBILITY))
-    if configured is None:
-        if visibility is None:
-            return DEFAULT_HOLD_DEADLINE
-        return max(1.0, min(visibility / 2, DEFAULT_HOLD_DEADLINE))
-    if visibility is not None and configured >= visibility:
-        logger.warning("durability: hold_deadline %gs is not below the Redis "
-                       "visibility_timeout %gs: held messages will be redelivered while "
-                       "held; make it at most half of it", configured, visibility)
-    return configured
-
-
-def unadmitted_active() -> int:
-    """Pool slots taken by requests the gate did not admit (admitted ones carry their
-    release hook, and the gate counts those itself).
-
-    Pool threads add to and discard from Celery's `active_requests` (a WeakSet) as tasks
-    start and end, and iterating it meanwhile raises "Set changed size during iteration",
-    which would end a threads worker's consumer. So the count iterates a copy of its
-    references; `set.copy` runs in C, under the GIL."""
-    refs = worker_state.active_requests.data.copy()
-    count = 0
-    for ref in refs:  # a loop, not sum() over a generator: this runs for every admission
-        request = ref()
-        if request is not None and getattr(request, "_durability_release", None) is None:
-            count += 1
-    return count
-
-
-def warn_about_prefetch(conf: Any) -> None:
-    """Say at start-up when the worker's prefetch settings work against the gate: it holds
-    messages outside the pool and raises prefetch one by one for them, so the base must
-    be one message per slot, and a disabled prefetch counts held messages as running."""
-    multiplier = conf.get("worker_prefetch_multiplier")
-    if multiplier != 1:
-        logger.warning("durability: worker_prefetch_multiplier is %r; admitted tasks need 1 "
-                       "(set app.conf.worker_prefetch_multiplier = 1), or this worker "
-                       "reserves messages other workers could run", multiplier)
-    if conf.get("worker_disable_prefetch"):
-        logger.warning("durability: worker_disable_prefetch is set; it counts held admitted "
-                       "tasks as running, so this worker stops fetching: unset it")
+unadmitted_active: Callable[[], int] = partial(celery_worker.count_active_without,
+                                              RELEASE_ATTRIBUTE)
+"""Pool slots taken by requests the gate did not admit (admitted ones carry their
+release hook, and the gate counts those itself). A partial, not a function that calls
+it: the gate asks for every admission."""
 
 
 class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
@@ -182,7 +134,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             supersede_after=config.round_wait / 2, supersede_demand=config.leases is None)
 
     def _hooks(self, c: Any) -> Hooks:
-        self._real_handoff = c.on_task_request
+        self._real_handoff = celery_worker.pool_handoff(c)
         # solo runs the task inline, inside the handoff: it waits for run_deferred, so
         # that the gate's lock is released and a pump's messages are published first (a
         # claim must reach the holder before its deadline, however long the task).
@@ -192,7 +144,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         # get Celery's own on_task_request, with nothing in between: it runs for every
         # admitted task.
         # (The consumer has its pool before its steps are made.)
-        solo = isinstance(c.pool, SoloPool)
+        solo = celery_worker.runs_inline(c)
 
         def pool_size() -> int:
             # As _fit_pool last read it (every collecting pump): asked for every
@@ -201,9 +153,10 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
         return Hooks(handoff=self._deferred.append if solo else self._real_handoff,
                      pool_size=pool_size, busy=unadmitted_active,
-                     qos_increment=lambda: c.qos.increment_eventually(),
-                     qos_decrement=lambda: c.qos.decrement_eventually(),
-                     wake=self._wake, run_deferred=self.run_deferred if solo else None,
+                     qos_increment=partial(celery_worker.raise_prefetch, c),
+                     qos_decrement=partial(celery_worker.lower_prefetch, c),
+                     wake=self._wake, requests=celery_requests(),
+                     run_deferred=self.run_deferred if solo else None,
                      admitted=self.metrics.admitted if self.metrics else None,
                      unanswered=self.metrics.no_answer if self.metrics else None)
 
@@ -242,11 +195,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         by the time the hub looks again fires in the same pass over the timers as the
         pump that may be running this chain."""
         self._parked = True
-        hub = self.c.hub
-        if hub is None:  # synloop: pending operations run at the loop's next turn
-            self.c.call_soon(self._resume)
-        else:
-            hub.call_later(RESUME_DELAY, self._resume)
+        celery_worker.call_later(self.c, RESUME_DELAY, self._resume)
 
     def _resume(self) -> None:
         self._parked = False
@@ -265,7 +214,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         super().start(c)
-        tasks_channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        tasks_channel = celery_worker.task_channel(c)
         self._give_back(tasks_channel)
         watch_pops(tasks_channel, self._unrecorded)
         self.gate.loop_thread = threading.get_ident()
@@ -304,8 +253,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         try:
             while self._deferred:
                 request = self._deferred.popleft()
-                worker_state.reserved_requests.discard(request)
-                self.gate.release(item_id(request))
+                celery_worker.forget_reserved(request)
+                self.gate.release(item_id(request, self.hooks.requests.headers(request)))
         finally:
             self._running_deferred = False
             self._parked = False  # a resume still scheduled finds nothing to run
@@ -340,7 +289,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             if self._wake_pending:
                 return  # a pump is already scheduled; it reads the flag when it runs
             self._wake_pending = True
-        self.c.call_soon(self._woken)
+        celery_worker.call_soon(self.c, self._woken)
 
     def _woken(self) -> None:
         self.pump(collect=False)  # collects anyway if a wake since the last pump asked
@@ -362,8 +311,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                 client.capacity = size
 
     def _read_pool_size(self) -> int:
-        c = self.c
-        return int(getattr(c.pool, "num_processes", 0) or c.controller.concurrency or 1)
+        return celery_worker.pool_size(self.c)
 
     def pump(self, *, collect: bool = True) -> None:
         """The timer's pump collects messages; a wake's only if a wake asked it to."""

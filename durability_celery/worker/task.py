@@ -16,12 +16,8 @@ from kombu.utils.imports import symbol_by_name
 from ..core.messages import MAX_KEY_LENGTH
 from ..errors import CallerError, ConfigurationError
 from ..registry import configuration_for
+from .headers import HEADER_ENQUEUED_AT, HEADER_GROUP, HEADER_KEY, HEADER_SEMAPHORE
 from .request import AdmittedRequest
-
-HEADER_SEMAPHORE = "durability_semaphore"
-HEADER_KEY = "durability_key"
-HEADER_GROUP = "durability_group"
-HEADER_ENQUEUED_AT = "durability_enqueued_at"
 
 Extractor = str | Callable[[tuple[Any, ...], dict[str, Any]], Any]
 """An argument name, or a callable over the task's (args, kwargs)."""

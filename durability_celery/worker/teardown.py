@@ -1,19 +1,20 @@
 # A guard on Celery's teardown of a lost broker connection, for the messages the
 # gate holds unacked, and the give-back of those the lost channel could not
-# return. Rule: touch nothing but what the transport exposes (`channel.qos` of
-# kombu's virtual transports, and the Redis channel's own restore of a message),
-# never raise into Celery, and leave any other Celery or transport exactly as it
-# was.
+# return. Rule: reach kombu's QoS and Celery's consumer only through
+# durability_celery/compat (redis_qos.py, worker.py), never raise into Celery,
+# and leave any other Celery or transport exactly as it was.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
+
+from ..compat import redis_qos
+from ..compat import worker as celery_worker
 
 logger = logging.getLogger("durability_celery.worker")
 
@@ -34,44 +35,21 @@ def guard_connection_loss(c: Any) -> None:
     Restoring first, while the transport is whole, is what that first close would
     have done; after it (done, or failed because the broker is down, in which case
     the messages stay in Redis's unacked index until its visibility timeout), later
-    closes of the channel must not try again.
+    closes of the channel must not try again. Celery 5.4-5.6 only collect, and the
+    failed close leaves the messages unrestored there too: the guard serves every
+    supported release.
     """
-    teardown = getattr(c, "on_connection_error_after_connected", None)
-    if teardown is None or getattr(teardown, "_durability_guarded", False):
-        return  # another Celery version, or already guarded (the step restarted)
-
-    def on_connection_error_after_connected(exc: Any) -> None:
-        restore_unacked_before_teardown(c)
-        teardown(exc)
-
-    on_connection_error_after_connected._durability_guarded = True  # type: ignore[attr-defined]
-    c.on_connection_error_after_connected = on_connection_error_after_connected
+    celery_worker.before_connection_teardown(c, lambda: restore_unacked_before_teardown(c))
 
 
 def restore_unacked_before_teardown(c: Any) -> None:
-    channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-    # Virtual transports (Redis, SQS, ...) only; an AMQP broker requeues by itself.
-    qos = getattr(channel, "qos", None) if channel is not None else None
-    if qos is None or not callable(getattr(qos, "restore_unacked_once", None)):
-        return
-    if not getattr(qos, "restore_at_shutdown", False):
-        return
+    """Restore the unacked messages of the consumer's task channel (virtual transports:
+    an AMQP broker requeues by itself) and turn its later restores off."""
     try:
-        qos.restore_unacked_once()
+        redis_qos.restore_unacked_once_only(celery_worker.task_channel(c))
     except Exception as exc:  # the broker is down: the gate gives them back at its next start
         logger.warning("durability: could not restore unacked messages on connection loss: %r",
                        exc)
-    finally:
-        # Restored or not, the channel is dead: a second attempt would run on a
-        # transport kombu has already detached.
-        qos.restore_at_shutdown = False
-
-
-def _redis_qos(channel: Any) -> Any:
-    """The QoS of kombu's Redis `channel` (it keeps unacked records in the broker), else
-    None: another transport's, or no channel."""
-    qos = getattr(channel, "qos", None)
-    return qos if hasattr(qos, "unacked_key") else None
 
 
 @dataclass(frozen=True)
@@ -99,20 +77,7 @@ def watch_pops(channel: Any, on_unrecorded: Callable[[Any, float], None]) -> Non
     in the socket, to be read (and its record tried) only after the broker died, or in
     Celery's teardown of the lost connection. The error still propagates, as before;
     `on_unrecorded(message, when)` gets the message first, for give_back."""
-    qos = _redis_qos(channel)
-    append = getattr(qos, "append", None)
-    if append is None or getattr(append, "_watched", False):
-        return  # not kombu's Redis transport, or watched already
-
-    def watched(message: Any, delivery_tag: Any) -> None:
-        try:
-            append(message, delivery_tag)
-        except Exception:
-            on_unrecorded(message, time.time())
-            raise
-
-    watched._watched = True  # type: ignore[attr-defined]
-    qos.append = watched
+    redis_qos.watch_unacked_append(channel, on_unrecorded)
 
 
 def unreturned(orphans: Iterable[Orphan]) -> list[Orphan]:
@@ -126,12 +91,8 @@ def unreturned(orphans: Iterable[Orphan]) -> list[Orphan]:
         if orphan.unrecorded:
             kept.append(orphan)  # never in the QoS: its record's write is what failed
             continue
-        qos: Any = getattr(getattr(orphan.message, "channel", None), "qos", None)
-        delivered = getattr(qos, "_delivered", None)
-        if delivered is None:
-            continue  # not a virtual transport: the broker requeues on channel close
-        tag = orphan.message.delivery_tag
-        if tag in delivered and tag not in qos._dirty:
+        # None: not a virtual transport, whose broker requeues on channel close.
+        if redis_qos.still_delivered(orphan.message):
             kept.append(orphan)
     return kept
 
@@ -151,11 +112,11 @@ def give_back(channel: Any, orphans: list[Orphan]) -> int:
     One WATCH transaction, so a concurrent restore of the same record cannot race it.
     An unrecorded orphan (watch_pops) has no record to remove: it goes back each time
     it is given, so the caller gives each back once."""
-    qos = _redis_qos(channel)
-    restore = getattr(channel, "_do_restore_message", None)
-    if not orphans or restore is None or qos is None:
+    keys = redis_qos.unacked_keys(channel)
+    restore = redis_qos.message_restorer(channel)
+    if not orphans or restore is None or keys is None:
         return 0  # not kombu's Redis transport: nothing of ours to give back
-    records, index = qos.unacked_key, qos.unacked_index_key
+    records, index = keys
 
     def transaction(pipe: Any) -> int:
         # Newest first: each goes to the head, so the oldest is delivered first.
@@ -174,12 +135,13 @@ def give_back(channel: Any, orphans: list[Orphan]) -> int:
             elif raw is None and orphan.unrecorded:
                 info = orphan.message.delivery_info  # never recorded: the popped payload
                 payload, exchange, routing_key = (
-                    orphan.message._raw, info["exchange"], info["routing_key"])
+                    redis_qos.raw_payload(orphan.message), info["exchange"],
+                    info["routing_key"])
             else:
                 continue  # restored already, acked, or another delivery's record
             restore(payload, exchange, routing_key, pipe, leftmost=False)
             count += 1
         return count
 
-    with channel.conn_or_acquire() as client:
+    with redis_qos.redis_client(channel) as client:
         return int(client.transaction(transaction, records, index, value_from_callable=True))

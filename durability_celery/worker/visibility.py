@@ -12,11 +12,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
 from ..client import SemaphoreClient
 from ..client.ledger import KeyLedger
+from ..compat import worker as celery_worker
 from .gate import Gate, Held
 
 logger = logging.getLogger("durability_celery.worker")
@@ -184,10 +184,9 @@ def find_task(gate: Gate, task_id: str) -> dict[str, Any]:
                 return {"state": "running", "item": item, "semaphore": semaphore,
                         "key": permit.key, "group": permit.group, "source": permit.source,
                         "running_for": round(now - permit.since, 3)}
-    request = worker_state.requests.get(task_id)
-    if request is not None:
-        active = request in worker_state.active_requests
-        return {"state": "active" if active else "reserved", "task": request.name}
+    known = celery_worker.request_state(task_id)
+    if known is not None:
+        return {"state": known[0], "task": known[1]}
     return {"state": None}
 
 

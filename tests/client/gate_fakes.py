@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 from durability_celery.worker.gate import Hooks
+from durability_celery.worker.plumbing import celery_requests
 from durability_celery.worker.task import (
     HEADER_ENQUEUED_AT,
     HEADER_GROUP,
@@ -66,7 +67,8 @@ class Loop:
         return Hooks(handoff=lambda request: self.started.append(request.id),
                      pool_size=lambda: self.pool, busy=lambda: self.busy,
                      qos_increment=raise_qos, qos_decrement=lower_qos,
-                     wake=lambda collect: self.wakes.append(collect))
+                     wake=lambda collect: self.wakes.append(collect),
+                     requests=celery_requests())
 
     def take_wakes(self) -> list[bool]:
         wakes, self.wakes = self.wakes, []

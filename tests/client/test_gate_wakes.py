@@ -56,7 +56,8 @@ def test_a_release_with_nothing_waiting_asks_for_no_pump() -> None:
     assert loop.take_wakes() == [] and gate.state.released == 0
     third = FakeRequest()
     gate.submit(third)  # releases `first` first, then the permit kept idle serves it
-    assert gate.state.released == 1 and gate.state.running == {item_id(third): SEM}
+    assert gate.state.released == 1
+    assert gate.state.running == {item_id(third, third.request_dict): SEM}
     assert loop.started[-1] == third.id and gate.state.admitted_from["handoff"] == 1
 
 
@@ -65,7 +66,7 @@ def test_a_pool_thread_release_is_made_by_the_next_pump_if_no_request_comes() ->
     first.on_success(None)
     first.on_success(None)  # overlapping hooks of one ending: released once
     assert gate.pump() == [] and gate.state.released == 1 and gate.state.running == {}
-    assert gate.clients[SEM].permit(item_id(first)) is None
+    assert gate.clients[SEM].permit(item_id(first, first.request_dict)) is None
 
 
 def test_a_request_held_while_a_pool_thread_releases_still_wakes_a_pump() -> None:
@@ -74,7 +75,7 @@ def test_a_request_held_while_a_pool_thread_releases_still_wakes_a_pump() -> Non
     def busy_then_end() -> int:
         # The pool thread's release lands while submit decides: after submit released
         # what had ended, before it holds the request. It finds nothing held: no wake.
-        if not gate._ended and item_id(first) in gate.state.running:
+        if not gate._ended and item_id(first, first.request_dict) in gate.state.running:
             first.on_success(None)
         return 0
 

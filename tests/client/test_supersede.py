@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from durability_celery.worker.gate import Gate, Hooks
+from durability_celery.worker.plumbing import celery_requests
 
 from .helpers import KEY, SEM, FakeClock, demand, error, grant, grant_reports, make_client, reply
 
@@ -149,7 +150,8 @@ def _gate(client: Any, clock: FakeClock, *, pool: int) -> Gate:
     """A gate over `client` alone whose hooks do nothing; `pool` slots, none busy."""
     none = _NoHooks()
     return Gate({SEM: client}, Hooks(handoff=none, pool_size=lambda: pool, busy=none,
-                                     qos_increment=none, qos_decrement=none, wake=none),
+                                     qos_increment=none, qos_decrement=none, wake=none,
+                                     requests=celery_requests()),
                 max_held=8, hold_deadline=60.0, clock=clock)
 
 

@@ -20,8 +20,8 @@ from celery.worker.request import Request
 from kombu import Consumer
 from vine import promise
 
+from durability_celery.compat.worker import GatedConsumer
 from durability_celery.worker.request import AdmittedRequest
-from durability_celery.worker.strategy import GatedConsumer
 from durability_celery.worker.teardown import restore_unacked_before_teardown
 from tests.faults.services import PrivateRedis
 
@@ -55,8 +55,8 @@ def ack_after_teardown(app: Celery, private_redis: PrivateRedis, request_base: t
     connection_errors = connection.connection_errors
     if gated:
         celery_consumer = SimpleNamespace(connection_errors=connection_errors)
-        connection_errors = GatedConsumer(celery_consumer,
-                                          SimpleNamespace(submit=None)).connection_errors
+        connection_errors = GatedConsumer(celery_consumer, lambda request: None
+                                          ).connection_errors
     connection.drain_events(timeout=5)
     [message] = delivered
     pending: list[Callable[[], None]] = []

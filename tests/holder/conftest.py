@@ -1,10 +1,12 @@
 # Fixtures for the holder tests: a backend (Redis + PostgreSQL, or the embedded
-# filesystem broker + SQLite), the test app built from one JSON config, and
-# holder worker subprocesses that are always killed at the end of the test.
+# filesystem broker + SQLite; with DC_TEST_HOLDER_RABBITMQ=1 also RabbitMQ +
+# PostgreSQL), the test app built from one JSON config, and holder worker
+# subprocesses that are always killed at the end of the test.
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +27,11 @@ from durability_celery.client.blocking import BlockingClient  # noqa: E402
 from durability_celery.semaphore import DurabilitySemaphore  # noqa: E402
 
 REDIS_DB = 1
+RABBITMQ_URL = os.environ.get("DC_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+BACKENDS = ["redis+postgresql", "filesystem+sqlite"] + (
+    ["rabbitmq+postgresql"] if os.environ.get("DC_TEST_HOLDER_RABBITMQ") else [])
+"""The backends of every holder test that takes one. RabbitMQ runs them all but the
+Redis-specific ones when asked (tests/holder/test_rabbitmq.py runs on it always)."""
 
 
 @pytest.fixture(scope="session")
@@ -53,15 +60,17 @@ class Backend:
     database: str
 
 
-@pytest.fixture(params=["redis+postgresql", "filesystem+sqlite"])
+@pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path,
             redis_url_factory: Callable[[int], str]) -> Backend:
     from support import reset_postgres
 
-    if request.param == "redis+postgresql":
+    if request.param.endswith("+postgresql"):
         url: str = request.getfixturevalue("holder_pg_url")
         reset_postgres(url)
-        return Backend(request.param, {"broker_url": redis_url_factory(REDIS_DB)}, url)
+        broker = (RABBITMQ_URL if request.param.startswith("rabbitmq")
+                  else redis_url_factory(REDIS_DB))
+        return Backend(request.param, {"broker_url": broker}, url)
     return Backend(request.param, embedded_broker(tmp_path),
                    f"sqlite:///{tmp_path / 'durability.db'}")
 
@@ -163,17 +172,19 @@ SHARED_SEMAPHORES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="session", params=["redis+postgresql", "filesystem+sqlite"])
+@pytest.fixture(scope="session", params=BACKENDS)
 def shared_rig(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[HolderRig]:
     """One holder worker per backend for the whole module (worker start-up costs ~5 s)."""
     from support import _redis_ping_flush, reset_postgres
 
     tmp = tmp_path_factory.mktemp("shared-holder")
-    if request.param == "redis+postgresql":
+    if request.param.endswith("+postgresql"):
         url: str = request.getfixturevalue("holder_pg_url")
         reset_postgres(url)
-        backend = Backend(request.param, {"broker_url": _redis_ping_flush(REDIS_DB)}, url)
+        broker = (RABBITMQ_URL if request.param.startswith("rabbitmq")
+                  else _redis_ping_flush(REDIS_DB))
+        backend = Backend(request.param, {"broker_url": broker}, url)
     else:
         backend = Backend(request.param, embedded_broker(tmp), f"sqlite:///{tmp / 'd.db'}")
     (tmp / "logs").mkdir()

@@ -154,7 +154,7 @@ def test_redis_garbage_entries_and_connection_loss_do_not_stop_the_holder(
         exchange="", routing_key=queue, reply_to=gone, correlation_id="c1", serializer="json")
     server = redis.Redis.from_url(redis_pg_backend.broker["broker_url"])
     assert wait_until(lambda: server.exists(gone) == 1, timeout=5)
-    # before kombu 5.7 the holder sets the expiry just after the push (compat.py)
+    # before kombu 5.7 the holder sets the expiry just after the push (compat/broker.py)
     wait_until(lambda: server.pttl(gone) > 0, timeout=2)
     ttl_ms = server.pttl(gone)
     assert 0 < ttl_ms <= rig.durability.settings.reply_expires * 1000, ttl_ms

@@ -15,6 +15,7 @@ from durability_celery.app import Durability
 from durability_celery.holder import reply_queue_declaration
 from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.worker.gate import Gate, Hooks
+from durability_celery.worker.plumbing import celery_requests
 
 install = importlib.import_module("durability_celery.worker.install")
 
@@ -41,7 +42,7 @@ def test_a_broker_down_at_shutdown_is_one_warning(tmp_path: Path,
     nothing: Any = lambda *_: None  # noqa: E731
     gate = Gate({"jobs": client}, Hooks(handoff=nothing, pool_size=lambda: 1, busy=lambda: 0,
                                         qos_increment=nothing, qos_decrement=nothing,
-                                        wake=nothing),
+                                        wake=nothing, requests=celery_requests()),
                 max_held=4, hold_deadline=60.0)
     step = Step(durability, gate)
     install.register_step(step)  # type: ignore[arg-type]

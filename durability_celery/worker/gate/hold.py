@@ -1,0 +1,115 @@
+# The hold: how far held messages raise the worker's prefetch, and how they leave
+# the gate unrun (overdue, revoked, or with their consumer). Part of Gate (gate.py)
+# as a base class; every method runs with the gate's lock held.
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ...client import SemaphoreClient
+from .model import GateState, Held, Hooks
+
+logger = logging.getLogger("durability_celery.worker")
+
+
+class Hold:
+    """The hold's half of Gate: prefetch and the ways out of the hold."""
+
+    clients: dict[str, SemaphoreClient]
+    hooks: Hooks
+    state: GateState
+    max_held: int
+    hold_deadline: float
+    lock: threading.RLock
+    clock: Callable[[], float]
+
+    if TYPE_CHECKING:
+        def _free(self) -> int: raise NotImplementedError
+        def settle_ended(self) -> None: raise NotImplementedError
+
+    def _may_raise(self, free: int) -> bool:
+        """Whether one more held message may raise prefetch: up to half of max_held while
+        the pool is busy, so a busy worker leaves work to others; up to all of it while a
+        pool slot is free that no held task can take. Without the second half, messages
+        of keys waiting for a round would fill the prefetch window while the pool idled,
+        and tasks whose keys had a permit at hand would wait in the broker behind them."""
+        raised = self.state.raised
+        if raised < self._busy_limit():
+            return True
+        return raised < self.max_held and free > 0
+
+    def _busy_limit(self) -> int:
+        return (self.max_held + 1) // 2
+
+    def _raise_for_idle_pool(self) -> None:
+        """A message held while the hold was at its limit raised no prefetch, and takes
+        one of the pool's slots in the prefetch window. Raise for it once it may (see
+        _may_raise): else, with a pool slot free that no held task can take, the broker
+        sends nothing more while the pool idles."""
+        state = self.state
+        if len(state.held) == state.raised:
+            return
+        # The pool is read once: raising prefetch frees no slot.
+        limit = self.max_held if self._free() > 0 else self._busy_limit()
+        for entry in state.held.values():
+            if state.raised >= limit:
+                return
+            if not entry.raised_qos:
+                entry.raised_qos = True
+                state.raised += 1
+                self.hooks.qos_increment()
+
+    def _hand_back_overdue(self, now: float) -> None:
+        held = self.state.held
+        for item in list(held):
+            entry = held[item]
+            if entry.held_since + self.hold_deadline > now:
+                break  # held is in held_since order
+            # Before the broker would redeliver it anyway (Redis visibility_timeout,
+            # RabbitMQ consumer_timeout). Its enqueued-at header travels with it, so
+            # when it comes back its demand is as old as before.
+            self._unhold(item)
+            logger.info("durability: handing task %s back to the broker after %.0fs held",
+                        entry.request.id, now - entry.held_since)
+            if not self.hooks.requests.hand_back(entry.request):  # Celery logged why
+                self.state.let_go.append((entry.request, now))
+
+    def _drop_revoked(self) -> None:
+        revoked = self.hooks.requests.revoked
+        for item, entry in list(self.state.held.items()):
+            if revoked(entry.request):
+                self._unhold(item)  # revoked() acked it and marked it revoked
+
+    def _unhold(self, item: str) -> Held:
+        entry = self.state.held.pop(item)
+        self.clients[entry.semaphore].cancel(item)
+        if entry.raised_qos:
+            self.state.raised -= 1
+            self.hooks.qos_decrement()
+        return entry
+
+    def forget_held(self) -> list[tuple[Any, float]]:
+        """The consumer stopped: held messages go back to the broker with the channel.
+
+        Returns (request, since) of each, and of each hand-back the broker refused: a
+        channel lost with its broker could not give them back, and `since` bounds the
+        broker's unacked record of that delivery (GateStep gives them back later)."""
+        with self.lock:
+            self.settle_ended()  # their successors join `passed`, given back below
+            forgotten = [(entry.request, entry.held_since)
+                         for entry in self.state.held.values()] + self.state.let_go
+            self.state.let_go = []
+            for item, entry in list(self.state.held.items()):
+                self.clients[entry.semaphore].cancel(item)
+                self.hooks.requests.forget(entry.request)
+            self.state.held.clear()
+            self.state.raised = 0
+            # Permits passed on to held messages that are now gone go back to the holder.
+            for semaphore, permit in self.state.passed:
+                self.clients[semaphore].release(permit.item_id)
+            self.state.passed.clear()
+            # The clients still await their replies: they arrive on the reply queue,
+            # which the restarted step (or the final report) consumes again.
+            return forgotten
