@@ -65,9 +65,12 @@ class ReplyPublisher:
                 self._open = compat.open_publish_batch(producer)
                 if self._open is not None:
                     self._open.__enter__()
+            # Buffered in a batch, a reply touches no connection until the batch is
+            # sent, which kombu never retries: a retry wrapper would only cost time.
+            at_once = self._open is None
             producer.publish(
                 body, exchange="", routing_key=reply_to, correlation_id=correlation_id,
-                serializer="json", retry=True, retry_policy=RETRY_POLICY,
+                serializer="json", retry=at_once, retry_policy=RETRY_POLICY if at_once else None,
             )
             if self._expire_by_hand:
                 self._pushed.append(reply_to)
