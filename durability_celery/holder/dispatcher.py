@@ -50,6 +50,8 @@ MAX_BATCH = 200
 locked and how long one batch's replies wait for its slowest key."""
 BEHIND_EVENTS = 16
 """Events waiting in the inbox from which the consumer stops taking more (`behind`)."""
+BEHIND_MARGIN = 2_000
+"""Requests short of MAX_WAITING from which the consumer stops taking more (`behind`)."""
 MAX_EVENTS_PER_PASS = 100
 """Events handled between two looks at the due jobs; their replies go out together
 (ReplyPublisher.batch). Bounded, so a busy inbox delays neither the replies nor
@@ -152,8 +154,11 @@ class Dispatcher(threading.Thread):
             self._inbox.put(_IncomingMany(tuple(requests)))
 
     def behind(self) -> bool:
-        """Whether events wait unhandled: the consumer should leave requests queued."""
-        return self._inbox.qsize() > BEHIND_EVENTS
+        """Whether the consumer should leave requests in the shard queues: events wait
+        unhandled, or the requests held for rounds near MAX_WAITING (past it, each new
+        one is answered `unavailable`). Read from the consumer's thread: a hint."""
+        return (self._inbox.qsize() > BEHIND_EVENTS
+                or self._batcher.waiting_count() > MAX_WAITING - BEHIND_MARGIN)
 
     def queued_for(self, seconds: float) -> None:
         """Requests wait about `seconds` in the shard queues before they are taken."""
