@@ -197,7 +197,12 @@ def test_an_entry_kombu_cannot_make_a_message_of_costs_only_itself(
     assert not any("connection lost" in m for m in warned), warned
 
 
-def test_the_fast_path_is_redis_only(tmp_path: Path) -> None:
-    app = Celery("intake-memory", broker="memory://", set_as_current=False)
-    with app.connection_for_write() as connection:
-        assert intake.redis_drain(connection, connection.channel(), ["q"]) is None
+def test_the_fast_path_is_redis_without_a_key_prefix_only(redis_url: str) -> None:
+    # A global_keyprefix client rewrites a script's first key only: kombu's path then.
+    for broker, options, fast in (("memory://", {}, False), (redis_url, {}, True),
+                                  (redis_url, {"global_keyprefix": "p:"}, False)):
+        app = Celery("intake-which", broker=broker, set_as_current=False)
+        app.conf.broker_transport_options = options
+        with app.connection_for_write() as connection:
+            found = intake.redis_drain(connection, connection.channel(), ["q"])
+        assert (found is not None) == fast, (broker, options)
