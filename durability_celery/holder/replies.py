@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +17,25 @@ logger = logging.getLogger("durability_celery.holder")
 
 RETRY_POLICY = {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5, "interval_max": 2.0}
 """Bounded: a dead broker must not stall the holder's rounds for long."""
+
+_TAGS_PER_READ = 256
+_tags: list[str] = []
+# A forked child must not hand out the tags its parent may hand out too.
+os.register_at_fork(after_in_child=lambda: _tags.clear())
+
+
+def _delivery_tag() -> str:
+    """A delivery tag as kombu's virtual channels make it (a uuid4 string), from random
+    bytes read for _TAGS_PER_READ tags at a time. kombu reads os.urandom for each
+    reply, which lets go of the interpreter lock: the dispatcher then waited for the
+    round threads' Python to get it back, once per reply."""
+    while True:
+        try:
+            return _tags.pop()
+        except IndexError:
+            raw = os.urandom(16 * _TAGS_PER_READ)
+            _tags.extend(str(uuid.UUID(bytes=raw[at:at + 16], version=4))
+                         for at in range(0, len(raw), 16))
 
 
 class ReplyPublisher:
@@ -128,6 +149,8 @@ class ReplyPublisher:
             self._producer = self._connection.Producer(serializer="json")
             self._pushed.clear()
             self._expire_by_hand = self._connection.transport.driver_type == "redis"
+            if self._expire_by_hand:  # kombu's Redis channel tags each message itself
+                self._producer.channel._next_delivery_tag = _delivery_tag
         return self._producer
 
     def close(self) -> None:
