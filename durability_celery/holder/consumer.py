@@ -19,7 +19,7 @@ from ..errors import InvalidMessage
 from ..queues import MAX_BODY_BYTES, holder_queue_declaration
 from .batching import KeyId, Waiting
 from .dispatcher import Dispatcher
-from .intake import redis_drain
+from .intake import Drain, Unavailable, redis_drain
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -61,6 +61,8 @@ class HolderConsumer(threading.Thread):
         """Requests taken in the current wake-up, handed to the dispatcher together."""
         self.drained = 0
         """Entries taken by the Redis fast path (holder/intake.py), for tests."""
+        self._fast: Drain | None = None
+        """The Redis fast path of the current connection, if it has one."""
 
     def stop(self, *, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -97,7 +99,7 @@ class HolderConsumer(threading.Thread):
                 self.consuming.set()
                 logger.info("durability holder: consuming %s", ", ".join(self._queue_names))
                 backlog = _Backlog(connection.channel(), queues)
-                drain = redis_drain(connection, channel, self._queue_names)
+                self._fast = redis_drain(connection, channel, self._queue_names)
                 more = False
                 while not self._stopping.is_set():
                     wait = backlog.wait(self._taken)
@@ -110,7 +112,7 @@ class HolderConsumer(threading.Thread):
                         continue
                     # Blocking in kombu only when the last drain found nothing.
                     took = more or self._drain_events(connection)
-                    more = took and drain is not None and self._drain(drain)
+                    more = took and self._take_waiting()
                     self._hand_over()
 
     def _drain_events(self, connection: Any) -> bool:
@@ -127,9 +129,17 @@ class HolderConsumer(threading.Thread):
                            "broker entry: %r", exc)
         return True
 
-    def _drain(self, drain: Callable[[], int]) -> bool:
-        """Take what else waits (Redis); True when it found something."""
-        taken = drain()
+    def _take_waiting(self) -> bool:
+        """Take what else waits (the Redis fast path); True when it found something."""
+        if self._fast is None:
+            return False
+        try:
+            taken = self._fast()
+        except Unavailable as exc:
+            logger.warning("durability holder: Redis refused to take waiting requests in "
+                           "one command (%s); taking them one at a time", exc)
+            self._fast = None
+            return False
         self.drained += taken
         return taken > 0
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
+from redis.exceptions import RedisError, ResponseError
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -24,6 +25,11 @@ TAKE_MAX = 1024
 dispatcher at once stays a bounded piece of work."""
 
 Drain = Callable[[], int]
+
+
+class Unavailable(Exception):
+    """The server refused the script (scripting disabled or not permitted, a list of
+    another type): take one message at a time, as kombu does, on this connection."""
 
 _TAKE = """
 local taken = {}
@@ -51,7 +57,12 @@ def redis_drain(connection: Any, channel: Any, queue_names: list[str]) -> Drain 
     # One client for the connection's life: kombu makes a new one per use, and
     # making one cost more than taking an empty wake-up's entries.
     with channel.conn_or_acquire() as client:
-        version = str(client.info("server").get("redis_version", "0"))
+        try:
+            version = str(client.info("server").get("redis_version", "0"))
+        except RedisError as exc:  # INFO renamed or not permitted: kombu's path works
+            logger.info("durability holder: Redis version unknown (%r); taking requests "
+                        "one at a time", exc)
+            return None
     take = client.register_script(_TAKE)
     if tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (6, 2):
         return None
@@ -63,7 +74,10 @@ def redis_drain(connection: Any, channel: Any, queue_names: list[str]) -> Drain 
     deliver = channel.connection._deliver
 
     def drain() -> int:
-        found = take(keys=keys, args=[count])
+        try:
+            found = take(keys=keys, args=[count])
+        except ResponseError as exc:
+            raise Unavailable(str(exc)) from exc
         for at in range(1, len(found), 2):
             _deliver_one(deliver, found[at], lists[int(found[at - 1]) - 1][1])
         return len(found) // 2

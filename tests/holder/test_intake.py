@@ -206,3 +206,31 @@ def test_the_fast_path_is_redis_without_a_key_prefix_only(redis_url: str) -> Non
         with app.connection_for_write() as connection:
             found = intake.redis_drain(connection, connection.channel(), ["q"])
         assert (found is not None) == fast, (broker, options)
+
+
+def test_a_redis_that_refuses_scripts_is_served_one_message_at_a_time(
+        redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A real Redis user without scripting (ACL), as some managed services configure.
+    caplog.set_level(logging.WARNING, logger="durability_celery")
+    admin = redis.Redis.from_url(redis_url)
+    user = f"dc-noscript-{uuid.uuid4().hex[:6]}"
+    admin.acl_setuser(user, enabled=True, nopass=True, keys=["*"], channels=["*"],
+                      commands=["+@all", "-@scripting"])
+    try:
+        host, port_db = redis_url.split("://", 1)[1].split(":", 1)
+        made = Rig(f"redis://{user}:x@{host}:{port_db}", tmp_path)
+        made.redis.close()
+        made.redis = admin
+        try:
+            sent = [made.send({**GOOD, "key": f"k{n}"}, serializer="json") for n in range(5)]
+            holder = made.start()
+            made.wait(sent)
+            assert holder.consumer.drained == 0
+        finally:
+            made.close()
+    finally:
+        admin.acl_deluser(user)
+    assert all([g["permits"] for g in made.replies[c]["grants"]] == [1] for c in sent)
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("one at a time" in m for m in warned), warned
+    assert not any("connection lost" in m for m in warned), warned
