@@ -34,8 +34,8 @@ def holder_queue_declaration(name: str, *, arguments: dict[str, Any] | None = No
 def reply_queue_declaration(name: str, *, expires: float) -> Queue:
     """A client's reply queue: gone with its connection, or after `expires` seconds unused.
 
-    On Redis, kombu before 5.7 ignores x-expires; there the holder's publisher sets the
-    expiry after each reply (compat.expire_redis_queue)."""
+    On Redis the holder's publisher sets the expiry itself after the replies it pushes
+    (holder/replies.py), whatever the kombu release."""
     return Queue(  # type: ignore[no-untyped-call]
         name, routing_key=name, durable=False, exclusive=True, auto_delete=True,
         expires=expires,

@@ -17,8 +17,9 @@ from kombu.messaging import Consumer
 from ..core.messages import check_key
 from ..errors import InvalidMessage
 from ..queues import MAX_BODY_BYTES, holder_queue_declaration
-from .batching import Waiting
+from .batching import KeyId, Waiting
 from .dispatcher import Dispatcher
+from .intake import Drain, Unavailable, redis_drain
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -28,6 +29,8 @@ POLL = 0.5
 """drain_events timeout: how soon a stop is noticed while no message arrives."""
 BACKLOG_EVERY = 1.0
 """Seconds between two looks at how many requests wait in the shard queues."""
+BEHIND_PAUSE = 0.005
+"""Seconds the consumer waits before taking more while the dispatcher is behind."""
 MIN_TAKE_RATE = 100.0
 """Requests per second a consumer takes at least when it is not starved: an idle one
 measured no rate, and a request that just arrived is not a second's wait."""
@@ -54,6 +57,12 @@ class HolderConsumer(threading.Thread):
         self._stopping = threading.Event()
         self.consuming = threading.Event()
         self._taken = 0
+        self._gathered: list[tuple[KeyId, Waiting]] = []
+        """Requests taken in the current wake-up, handed to the dispatcher together."""
+        self.drained = 0
+        """Entries taken by the Redis fast path (holder/intake.py), for tests."""
+        self._fast: Drain | None = None
+        """The Redis fast path of the current connection, if it has one."""
 
     def stop(self, *, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -90,20 +99,53 @@ class HolderConsumer(threading.Thread):
                 self.consuming.set()
                 logger.info("durability holder: consuming %s", ", ".join(self._queue_names))
                 backlog = _Backlog(connection.channel(), queues)
+                self._fast = redis_drain(connection, channel, self._queue_names)
+                more = False
                 while not self._stopping.is_set():
                     wait = backlog.wait(self._taken)
                     if wait is not None:
                         self._dispatcher.queued_for(wait)
-                    try:
-                        connection.drain_events(timeout=POLL)
-                    except TimeoutError:
-                        pass
-                    except ValueError as exc:
-                        # The transport could not parse an entry it already took
-                        # off the queue (not a kombu message, or a file read
-                        # before its writer finished): it is gone, carry on.
-                        logger.warning("durability holder: dropped an undecodable "
-                                       "broker entry: %r", exc)
+                    if more and self._dispatcher.behind():
+                        # What waits stays in the shard queues (counted by the
+                        # backlog) rather than piling up in the holder's memory.
+                        self._stopping.wait(BEHIND_PAUSE)
+                        continue
+                    # Blocking in kombu only when the last drain found nothing.
+                    took = more or self._drain_events(connection)
+                    more = took and self._take_waiting()
+                    self._hand_over()
+
+    def _drain_events(self, connection: Any) -> bool:
+        """One kombu wake-up (at most POLL); False when nothing came."""
+        try:
+            connection.drain_events(timeout=POLL)
+        except TimeoutError:
+            return False
+        except ValueError as exc:
+            # The transport could not parse an entry it already took
+            # off the queue (not a kombu message, or a file read
+            # before its writer finished): it is gone, carry on.
+            logger.warning("durability holder: dropped an undecodable "
+                           "broker entry: %r", exc)
+        return True
+
+    def _take_waiting(self) -> bool:
+        """Take what else waits (the Redis fast path); True when it found something."""
+        if self._fast is None:
+            return False
+        try:
+            taken = self._fast()
+        except Unavailable as exc:
+            logger.warning("durability holder: Redis refused to take waiting requests in "
+                           "one command (%s); taking them one at a time", exc)
+            self._fast = None
+            return False
+        self.drained += taken
+        return taken > 0
+
+    def _hand_over(self) -> None:
+        gathered, self._gathered = self._gathered, []
+        self._dispatcher.submit_many(gathered)
 
     # --- one message --------------------------------------------------------
 
@@ -142,8 +184,8 @@ class HolderConsumer(threading.Thread):
         except InvalidMessage as exc:
             self._reject(reply_to, correlation_id, exc.code, str(exc))
             return
-        request = Waiting(body, reply_to, correlation_id, self._clock())
-        self._dispatcher.submit((name, key), request)
+        self._gathered.append(((name, key), Waiting(body, reply_to, correlation_id,
+                                                    self._clock())))
 
     def _decode(self, message: Any, reply_to: str | None,
                 correlation_id: str | None) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,10 @@ MAX_SLEEP = 0.5
 MAX_BATCH = 200
 """Most keys whose rounds run in one transaction: bounds how long their rows stay
 locked and how long one batch's replies wait for its slowest key."""
+BEHIND_EVENTS = 16
+"""Events waiting in the inbox from which the consumer stops taking more (`behind`)."""
+BEHIND_MARGIN = 2_000
+"""Requests short of MAX_WAITING from which the consumer stops taking more (`behind`)."""
 MAX_EVENTS_PER_PASS = 100
 """Events handled between two looks at the due jobs; their replies go out together
 (ReplyPublisher.batch). Bounded, so a busy inbox delays neither the replies nor
@@ -58,6 +62,12 @@ the next rounds."""
 class _Incoming:
     key_id: KeyId
     request: Waiting
+
+
+@dataclass(frozen=True)
+class _IncomingMany:
+    requests: tuple[tuple[KeyId, Waiting], ...]
+    """In arrival order: what the consumer took in one wake-up."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,18 @@ class Dispatcher(threading.Thread):
     def submit(self, key_id: KeyId, request: Waiting) -> None:
         self._inbox.put(_Incoming(key_id, request))
 
+    def submit_many(self, requests: Sequence[tuple[KeyId, Waiting]]) -> None:
+        """`submit` each, in order, as one event: one hand-over for a wake-up's requests."""
+        if requests:
+            self._inbox.put(_IncomingMany(tuple(requests)))
+
+    def behind(self) -> bool:
+        """Whether the consumer should leave requests in the shard queues: events wait
+        unhandled, or the requests held for rounds near MAX_WAITING (past it, each new
+        one is answered `unavailable`). Read from the consumer's thread: a hint."""
+        return (self._inbox.qsize() > BEHIND_EVENTS
+                or self._batcher.waiting_count() > MAX_WAITING - BEHIND_MARGIN)
+
     def queued_for(self, seconds: float) -> None:
         """Requests wait about `seconds` in the shard queues before they are taken."""
         self._inbox.put(_Queued(seconds))
@@ -192,12 +214,11 @@ class Dispatcher(threading.Thread):
         return True
 
     def _handle(self, event: object) -> None:
-        if isinstance(event, _Incoming):
-            if self._batcher.waiting_count() < MAX_WAITING:
-                self._batcher.add(event.key_id, event.request)
-            elif event.request.reply_to:
-                self._publisher.publish(event.request.reply_to, event.request.correlation_id,
-                                        error_reply("unavailable", "the holder is overloaded"))
+        if isinstance(event, _IncomingMany):
+            for key_id, request in event.requests:
+                self._incoming(key_id, request)
+        elif isinstance(event, _Incoming):
+            self._incoming(event.key_id, event.request)
         elif isinstance(event, _BatchDone):
             self._running -= 1
             self._jobs -= 1
@@ -224,6 +245,13 @@ class Dispatcher(threading.Thread):
             self._running -= 1
         elif isinstance(event, _ErrorAnswer):
             self._publisher.publish(event.reply_to, event.correlation_id, event.body)
+
+    def _incoming(self, key_id: KeyId, request: Waiting) -> None:
+        if self._batcher.waiting_count() < MAX_WAITING:
+            self._batcher.add(key_id, request)
+        elif request.reply_to:
+            self._publisher.publish(request.reply_to, request.correlation_id,
+                                    error_reply("unavailable", "the holder is overloaded"))
 
     def _round_done(self, job: Round, responses: list[dict[str, Any]] | None) -> None:
         key_id = job.key_id
@@ -304,7 +332,7 @@ class Dispatcher(threading.Thread):
                 event = self._inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if event is not _STOP and not isinstance(event, _Incoming):
+            if event is not _STOP and not isinstance(event, _Incoming | _IncomingMany):
                 self._handle(event)
         self._publisher.close()
 

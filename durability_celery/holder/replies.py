@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import os
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,7 +18,24 @@ logger = logging.getLogger("durability_celery.holder")
 RETRY_POLICY = {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5, "interval_max": 2.0}
 """Bounded: a dead broker must not stall the holder's rounds for long."""
 
-_EXPIRY_CACHE = 10_000
+_TAGS_PER_READ = 256
+_tags: list[str] = []
+# A forked child must not hand out the tags its parent may hand out too.
+os.register_at_fork(after_in_child=lambda: _tags.clear())
+
+
+def _delivery_tag() -> str:
+    """A delivery tag as kombu's virtual channels make it (a uuid4 string), from random
+    bytes read for _TAGS_PER_READ tags at a time. kombu reads os.urandom for each
+    reply, which lets go of the interpreter lock: the dispatcher then waited for the
+    round threads' Python to get it back, once per reply."""
+    while True:
+        try:
+            return _tags.pop()
+        except IndexError:
+            raw = os.urandom(16 * _TAGS_PER_READ)
+            _tags.extend(str(uuid.UUID(bytes=raw[at:at + 16], version=4))
+                         for at in range(0, len(raw), 16))
 
 
 class ReplyPublisher:
@@ -31,14 +49,13 @@ class ReplyPublisher:
         self._reply_expires_ms = int(reply_expires * 1000)
         self._connection: Any = None
         self._producer: Any = None
-        self._expiring: OrderedDict[str, None] = OrderedDict()
         self._batching = False
         self._open: Any = None
         """kombu's batch on the current producer, opened by the first reply of a batch."""
         self._batched = 0
         """Replies buffered in the open batch, for the log line if they are dropped."""
         self._expire_by_hand = False
-        """Redis on a kombu that ignores x-expires: PEXPIRE each reply queue pushed to."""
+        """On Redis: PEXPIRE each reply queue pushed to (see _expire_pushed)."""
         self._pushed: list[str] = []
         """With expire_by_hand: queues pushed to and not yet expired (until the open batch
         is sent, or just after a reply sent at once)."""
@@ -65,14 +82,16 @@ class ReplyPublisher:
         broker refused it."""
         try:
             producer = self._ensure_producer()
-            self._set_expiry(reply_to)
             if self._batching and self._open is None:
                 self._open = compat.open_publish_batch(producer)
                 if self._open is not None:
                     self._open.__enter__()
+            # Buffered in a batch, a reply touches no connection until the batch is
+            # sent, which kombu never retries: a retry wrapper would only cost time.
+            at_once = self._open is None
             producer.publish(
                 body, exchange="", routing_key=reply_to, correlation_id=correlation_id,
-                serializer="json", retry=True, retry_policy=RETRY_POLICY,
+                serializer="json", retry=at_once, retry_policy=RETRY_POLICY if at_once else None,
             )
             if self._expire_by_hand:
                 self._pushed.append(reply_to)
@@ -101,10 +120,24 @@ class ReplyPublisher:
             self.close()
 
     def _expire_pushed(self) -> None:
+        # On Redis a queue is a list key: a reply pushed after its client went away
+        # would create a key that never expires. kombu (>= 5.7, for a queue declared
+        # with x-expires on this channel) would PEXPIRE every priority list of the
+        # queue with each reply; here each queue pushed to gets them once, after the
+        # batch that pushed, in one round trip. Other transports expire reply queues
+        # themselves (RabbitMQ).
         pushed, self._pushed = self._pushed, []
+        if not pushed:
+            return
         try:
-            for queue in dict.fromkeys(pushed):
-                compat.expire_redis_queue(self._producer.channel, queue, self._reply_expires_ms)
+            channel = self._producer.channel
+            with channel.conn_or_acquire() as client, \
+                    client.pipeline(transaction=False) as pipe:
+                for queue in dict.fromkeys(pushed):
+                    for priority in channel.priority_steps:
+                        pipe.pexpire(channel._q_for_pri(queue, priority),
+                                     self._reply_expires_ms)
+                pipe.execute()
         except Exception as exc:  # the replies went out; the next publish reconnects
             logger.warning("durability holder: reply queue expiry not set: %r", exc)
             self.close()
@@ -114,29 +147,11 @@ class ReplyPublisher:
             self._connection = self._app.connection_for_write()
             self._connection.ensure_connection(max_retries=3)
             self._producer = self._connection.Producer(serializer="json")
-            self._expiring.clear()
             self._pushed.clear()
-            self._expire_by_hand = (
-                self._connection.transport.driver_type == "redis"
-                and not compat.redis_applies_queue_expiry(self._producer.channel))
+            self._expire_by_hand = self._connection.transport.driver_type == "redis"
+            if self._expire_by_hand:  # kombu's Redis channel tags each message itself
+                self._producer.channel._next_delivery_tag = _delivery_tag
         return self._producer
-
-    def _set_expiry(self, reply_to: str) -> None:
-        # On Redis a queue is a list key: a reply pushed after its client went
-        # away would create a key that never expires. Declaring the queue with
-        # x-expires on this channel makes kombu PEXPIRE the key on every push.
-        # Other transports expire reply queues themselves (RabbitMQ), and
-        # redeclaring another connection's exclusive queue there would fail.
-        # Where kombu ignores x-expires, publish() sets it (compat.expire_redis_queue).
-        if (self._connection.transport.driver_type != "redis" or self._expire_by_hand
-                or reply_to in self._expiring):
-            return
-        self._producer.channel.queue_declare(
-            queue=reply_to, arguments={"x-expires": self._reply_expires_ms}
-        )
-        self._expiring[reply_to] = None
-        if len(self._expiring) > _EXPIRY_CACHE:
-            self._expiring.popitem(last=False)
 
     def close(self) -> None:
         pending, self._open = self._open, None

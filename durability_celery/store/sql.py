@@ -102,19 +102,52 @@ _LOCK_KEYS = {True: _of_many(select(*_KEY_COLUMNS), keys, True, lock=True),
 _UPDATE_KEY = update(keys).where(_of_key(keys))
 
 
-def _write_keys_postgres() -> Any:
-    # Key rows are written as an upsert of rows that exist (locked by load_many): one
-    # statement for a batch, and the conflict is found through the primary key
-    # whatever the statistics. A plain UPDATE by (semaphore, key), planned on a table
-    # not yet analyzed, took the deadline index and filtered every key of the semaphore.
-    stmt = postgresql.insert(keys)
-    columns = ("last_round_at", "rounds", "limit", "next_claim_deadline", "blocked",
+class ArrayUpsert:
+    """An upsert of many rows of `table` on PostgreSQL as one statement, INSERT ...
+    SELECT FROM unnest(one array per column) ON CONFLICT (primary key) DO UPDATE: the
+    rows are bound and sent once, where an executemany binds and sends each row (most
+    of a batch's Python time in the store). The conflict is found through the primary
+    key, as for one row. `single` is the one-row upsert, for rows that repeat a primary
+    key (one statement may not update a row twice)."""
+
+    def __init__(self, table: sa.Table, columns: tuple[str, ...],
+                 updates: tuple[str, ...]) -> None:
+        self.columns = columns
+        self.primary = tuple(c.name for c in table.primary_key.columns)
+        single = postgresql.insert(table)
+        index = [table.c[c] for c in self.primary]
+        self.single = single.on_conflict_do_update(
+            index_elements=index, set_={c: single.excluded[c] for c in updates})
+        arrays = [bindparam(f"a_{c}", type_=postgresql.ARRAY(table.c[c].type))
+                  for c in columns]
+        rows = sa.func.unnest(*arrays).table_valued(*columns).render_derived(name="r")
+        many = postgresql.insert(table).from_select(list(columns), select(*rows.c))
+        self.many = many.on_conflict_do_update(
+            index_elements=index, set_={c: many.excluded[c] for c in updates})
+        # psycopg types a list by its elements: an int among floats must not decide it.
+        self._floats = {c for c in columns if isinstance(table.c[c].type, sa.Float)}
+
+    def execute(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """Upsert `rows` (dicts with every column of `columns`)."""
+        if len({tuple(row[c] for c in self.primary) for row in rows}) < len(rows):
+            conn.execute(self.single, rows)
+            return
+        params = {}
+        for c in self.columns:
+            values = [row[c] for row in rows]
+            if c in self._floats:
+                values = [None if v is None else float(v) for v in values]
+            params[f"a_{c}"] = values
+        conn.execute(self.many, params)
+
+
+# Key rows are written as an upsert of rows that exist (locked by load_many): one
+# statement for a batch, and the conflict is found through the primary key
+# whatever the statistics. A plain UPDATE by (semaphore, key), planned on a table
+# not yet analyzed, took the deadline index and filtered every key of the semaphore.
+_KEY_WRITES = ("last_round_at", "rounds", "limit", "next_claim_deadline", "blocked",
                "updated_at")
-    return stmt.on_conflict_do_update(index_elements=[keys.c.semaphore, keys.c.key],
-                                      set_={c: stmt.excluded[c] for c in columns})
-
-
-_WRITE_KEYS_POSTGRES = _write_keys_postgres()
+_WRITE_KEYS_POSTGRES = ArrayUpsert(keys, ("semaphore", "key", *_KEY_WRITES), _KEY_WRITES)
 _DELETE_UNUSED_KEYS = {
     True: delete(keys).where(keys.c.semaphore == bindparam("b_semaphore"), keys.c.rounds == 0,
                              keys.c.key == sa.any_(bindparam("b_keys", type_=_STRINGS))),
@@ -143,10 +176,10 @@ _INSERT_KEYS_POSTGRES = _insert_keys_postgres()
 _INSERT_KEY_SQLITE = sqlite.insert(keys).on_conflict_do_nothing()
 
 
-def _upsert_clients(dialect: Any) -> Any:
+def _upsert_clients_sqlite() -> Any:
     # An upsert, not an insert: a locked round never conflicts, but a stamp must
     # never fail a round (the negative concurrency test runs rounds unlocked).
-    stmt = dialect.insert(clients)
+    stmt = sqlite.insert(clients)
     return stmt.on_conflict_do_update(
         index_elements=[clients.c.semaphore, clients.c.key, clients.c.client_id],
         set_={"last_seen_at": stmt.excluded.last_seen_at},
@@ -154,7 +187,9 @@ def _upsert_clients(dialect: Any) -> Any:
 
 
 # Also how PostgreSQL stamps clients already there, for the reason of _WRITE_KEYS_POSTGRES.
-_UPSERT_CLIENTS = {"postgresql": _upsert_clients(postgresql), "sqlite": _upsert_clients(sqlite)}
+_UPSERT_CLIENTS_SQLITE = _upsert_clients_sqlite()
+_UPSERT_CLIENTS_POSTGRES = ArrayUpsert(
+    clients, ("semaphore", "key", "client_id", "last_seen_at"), ("last_seen_at",))
 _TOUCH_CLIENT = update(clients).where(_of_key(clients), clients.c.client_id == bindparam("b_id"))
 _DELETE_CLIENT = delete(clients).where(_of_key(clients), clients.c.client_id == bindparam("b_id"))
 

@@ -20,7 +20,8 @@ from .sql import (
     _LEASES,
     _TOUCH_CLIENT,
     _UPDATE_KEY,
-    _UPSERT_CLIENTS,
+    _UPSERT_CLIENTS_POSTGRES,
+    _UPSERT_CLIENTS_SQLITE,
     _WRITE_KEYS_POSTGRES,
     _blocked_to_json,
     _postgres,
@@ -58,7 +59,7 @@ def save_many(conn: Connection, changes: Iterable[tuple[KeyState, KeyState]], *,
     leases.flush(conn)
     clients.flush(conn)
     if key_rows and _postgres(conn):
-        conn.execute(_WRITE_KEYS_POSTGRES, [
+        _WRITE_KEYS_POSTGRES.execute(conn, [
             {"semaphore": r.pop("b_semaphore"), "key": r.pop("b_key"), **r} for r in key_rows])
     elif key_rows:
         conn.execute(_UPDATE_KEY, key_rows)
@@ -179,7 +180,9 @@ class _ClientWrites:
         elif self.moved:
             conn.execute(_TOUCH_CLIENT,
                          [{**where, "b_id": c} for where, ids in self.moved for c in ids])
-        if self.added:
-            conn.execute(_UPSERT_CLIENTS[conn.dialect.name], self.added)
+        if self.added and _postgres(conn):
+            _UPSERT_CLIENTS_POSTGRES.execute(conn, self.added)
+        elif self.added:
+            conn.execute(_UPSERT_CLIENTS_SQLITE, self.added)
         if self.gone:
             conn.execute(_DELETE_CLIENT, self.gone)

@@ -170,6 +170,29 @@ def test_a_pass_over_a_full_inbox_is_bounded_and_keeps_the_order() -> None:
     assert [c for b in pub.batches for c in b] == [f"c{n}" for n in range(count)]
 
 
+def test_the_consumer_is_told_to_leave_requests_queued_while_the_dispatcher_is_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from durability_celery.holder import dispatcher as dispatcher_module
+
+    monkeypatch.setattr(dispatcher_module, "MAX_WAITING", dispatcher_module.BEHIND_MARGIN + 3)
+    pub = FakePublisher()
+    dispatcher = Dispatcher(semaphores={"s": FakeSemaphore()}, serves=lambda s, k: True,
+                            publisher=pub, round_threads=1,  # type: ignore[arg-type]
+                            scan_interval=100.0)
+    # Not started: events wait in the inbox, one per wake-up of the consumer.
+    for n in range(dispatcher_module.BEHIND_EVENTS):
+        dispatcher.submit_many([(("s", f"k{n}"), Waiting({"n": n}, "r", f"c{n}", 0.0))])
+    assert not dispatcher.behind()
+    dispatcher.submit_many([(("s", "one-more"), Waiting({}, "r", "c", 0.0))])
+    assert dispatcher.behind()
+    # Handled, they wait for rounds: past MAX_WAITING - BEHIND_MARGIN it is behind again.
+    assert dispatcher._handle_events(0.0)
+    assert dispatcher._batcher.waiting_count() == dispatcher_module.BEHIND_EVENTS + 1
+    assert dispatcher.behind()
+    dispatcher._batcher.drop_waiting()
+    assert not dispatcher.behind()
+
+
 def test_a_slow_key_does_not_stall_others_and_never_runs_twice(rig: Any) -> None:
     sem, pub, dispatcher = rig
     sem.gates["slow"] = threading.Event()

@@ -2,8 +2,8 @@
 # its per-key scheduling state (Batcher slots and their heap of wake times) goes
 # once a key has nothing pending, and a key busy for good forgets the clients it
 # no longer hears from (holder/batching.py). The other per-key structures are
-# per call (DurabilitySemaphore.run_rounds) or bounded (ReplyPublisher's expiry
-# cache holds reply queues, at most _EXPIRY_CACHE).
+# per call (DurabilitySemaphore.run_rounds) or bounded (ReplyPublisher keeps the
+# reply queues of the batch it is sending).
 from __future__ import annotations
 
 import time

@@ -111,3 +111,26 @@ def test_a_broker_lost_before_the_batch_ends_drops_it_and_the_next_reply_goes(
         assert received(broker.url(), "dc-test.reply.a") == [("after", {"n": 2})]
     finally:
         broker.kill()
+
+
+def test_replies_carry_distinct_uuid4_delivery_tags(
+        redis_url_factory: Callable[[int], str],
+        publisher_on: Callable[[str], ReplyPublisher]) -> None:
+    # Tags are made from random bytes read for many at a time (replies._delivery_tag),
+    # in kombu's own form.
+    import json
+    import uuid
+
+    url = redis_url_factory(REDIS_DB)
+    publisher = publisher_on(url)
+    with publisher.batch():
+        for n in range(300):  # past one read of random bytes
+            assert publisher.publish("dc-test.reply.tags", f"c{n}", {"n": n})
+    raw = redis.Redis.from_url(url).lrange("dc-test.reply.tags", 0, -1)
+    tags = [json.loads(entry)["properties"]["delivery_tag"] for entry in raw]
+    assert len(set(tags)) == 300
+    assert all(str(uuid.UUID(tag)) == tag and uuid.UUID(tag).version == 4 for tag in tags)
+    assert len(received(url, "dc-test.reply.tags")) == 300  # kombu takes them as its own
+    from durability_celery.holder import replies
+
+    assert publisher._producer.channel._next_delivery_tag is replies._delivery_tag

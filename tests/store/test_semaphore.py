@@ -239,3 +239,22 @@ def test_a_given_engine_is_shared_and_left_open(database_url: str) -> None:
     finally:
         second.close()
         engine.dispose()
+
+
+def test_ids_are_uuid4_hex_and_a_forked_child_makes_its_own() -> None:
+    import multiprocessing
+    import uuid
+
+    from durability_celery.semaphore import _new_id
+
+    ids = [_new_id() for _ in range(600)]  # past one read of random bytes
+    assert len(set(ids)) == len(ids)
+    assert all(uuid.UUID(i).version == 4 and uuid.UUID(i).hex == i for i in ids)
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=lambda: sender.send([_new_id() for _ in range(3)]))
+    child.start()
+    theirs = receiver.recv()
+    child.join(10)
+    ours = [_new_id() for _ in range(3)]
+    assert not set(theirs) & set(ours)

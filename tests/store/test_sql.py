@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from durability_celery import store
+from durability_celery.core.keystate import ClientSeen
 from durability_celery.core.round import Blocked, KeyState
 from durability_celery.core.state import Grant, Lease
 
@@ -240,3 +241,48 @@ def test_a_failed_write_rolls_back_the_whole_round(engine: sa.Engine, rows: int)
         store.load(conn, "accounts", "k")
         store.save(conn, stale, bumped)
     assert _load_fresh(engine, "accounts", "k") == existing
+
+
+def _clients_state(key: str, stamp: float, *, limit: int | None) -> KeyState:
+    return KeyState("accounts", key, rounds=int(stamp) % 1000, limit=limit,
+                    last_round_at=stamp, blocked=(Blocked(None, "limit", 2),) if limit else (),
+                    clients=(ClientSeen("celery@a/1", stamp), ClientSeen("celery@b/2", stamp)))
+
+
+def test_a_batch_writes_its_key_and_client_rows_as_one_statement_each(
+        engine: sa.Engine) -> None:
+    # On PostgreSQL the rows of a batch go as arrays (store.sql.ArrayUpsert): inserted,
+    # then updated in place, every nullable field both ways.
+    keys = [f"k{n}" for n in range(30)]
+    first = [_clients_state(k, 1764450000.0, limit=None if n % 2 else n)
+             for n, k in enumerate(keys)]
+    second = [replace(s, last_round_at=1764450002, rounds=s.rounds + 1,
+                      limit=None if s.limit else 7,
+                      clients=(ClientSeen("celery@a/1", 1764450002.5),))
+              for s in first]
+    many: list[str] = []  # statements run as an executemany
+
+    def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any,
+               executemany: bool) -> None:
+        if executemany:
+            many.append(statement.split()[0].upper())
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    for states in (first, second):
+        with store.transaction(engine, write=True) as conn:
+            loaded = store.load_many(conn, "accounts", keys)
+            store.save_many(conn, [(loaded[s.key], s) for s in states])
+    for state in second:
+        assert _load_fresh(engine, "accounts", state.key) == state
+    if engine.dialect.name == "postgresql":
+        assert "INSERT" not in many, many  # the gone client's DELETE is one per key
+
+
+def test_a_batch_that_names_a_key_twice_writes_both_in_order(engine: sa.Engine) -> None:
+    # One array statement may not update a row twice: such a batch goes row by row.
+    with store.transaction(engine, write=True) as conn:
+        old = store.load(conn, "accounts", "twice")
+        store.save_many(conn, [(old, _clients_state("twice", 1764450000.0, limit=3)),
+                               (old, _clients_state("twice", 1764450001.0, limit=4))])
+    assert _load_fresh(engine, "accounts", "twice") == _clients_state(
+        "twice", 1764450001.0, limit=4)
