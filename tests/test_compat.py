@@ -10,7 +10,7 @@ import ast
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -21,6 +21,7 @@ from durability_celery import compat
 from durability_celery.app import Durability
 from durability_celery.compat import broker
 from durability_celery.errors import ConfigurationError
+from tests.support import redis_db_url
 
 
 def test_the_installed_versions_are_supported() -> None:
@@ -85,65 +86,17 @@ def test_the_installed_kombus_producer() -> None:
         assert (batch is not None) == hasattr(Producer, "batch")
 
 
-# Redis x-expires (kombu PR #2251)
+# Redis list names: the holder takes and expires what kombu's own BRPOP reads.
 
-class _Pipe:
-    def __init__(self, log: list[Any]) -> None:
-        self.log = log
-
-    def __enter__(self) -> _Pipe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def pexpire(self, key: str, ms: int) -> None:
-        self.log.append(("pexpire", key, ms))
-
-    def execute(self) -> None:
-        self.log.append("execute")
-
-
-class _OldRedisChannel:
-    """The parts of a kombu < 5.7 Redis channel the shim uses (no _get_queue_expire)."""
-
-    priority_steps: ClassVar[list[int]] = [0, 3, 6, 9]
-    sep = "\x06\x16"
-
-    def __init__(self) -> None:
-        self.log: list[Any] = []
-
-    @contextlib.contextmanager
-    def conn_or_acquire(self) -> Iterator[Any]:
-        log = self.log
-
-        class Client:
-            def pipeline(self) -> _Pipe:
-                return _Pipe(log)
-        yield Client()
-
-    def _q_for_pri(self, queue: str, pri: int) -> str:
-        return f"{queue}{self.sep}{pri}" if pri else queue
-
-
-def test_each_shim_is_chosen_by_the_installed_kombu() -> None:
-    from kombu.transport import redis
-
-    assert (compat.open_publish_batch is broker.batch_of) == hasattr(Producer, "batch")
-    assert compat.redis_applies_queue_expiry(_OldRedisChannel()) == hasattr(
-        redis.Channel, "_get_queue_expire")
-    assert (compat.exchange_file is broker.kombus_exchange_file) == hasattr(
-        filesystem.Channel, "_exchange_file")
-
-
-def test_expiry_by_hand_covers_every_priority_list_in_one_round_trip() -> None:
-    channel = _OldRedisChannel()
-    compat.expire_redis_queue(channel, "dc.reply.x", 60_000)
-    sep = _OldRedisChannel.sep
-    assert channel.log == [
-        ("pexpire", "dc.reply.x", 60_000), ("pexpire", f"dc.reply.x{sep}3", 60_000),
-        ("pexpire", f"dc.reply.x{sep}6", 60_000), ("pexpire", f"dc.reply.x{sep}9", 60_000),
-        "execute"]
+def test_redis_lists_are_the_ones_kombu_pushes_to_in_its_brpop_order() -> None:
+    with Connection(redis_db_url(0)) as connection:
+        channel = connection.default_channel
+        lists = compat.redis_lists(channel, ["dc.a", "dc.b"])
+        steps = channel.priority_steps
+        assert [queue for _, queue in lists] == ["dc.a", "dc.b"] * len(steps)
+        assert lists[:2] == [("dc.a", "dc.a"), ("dc.b", "dc.b")]  # priority 0: the name
+        for priority in (0, 9):  # kombu files a message under its priority's list
+            assert channel._q_for_pri("dc.a", priority) in {name for name, _ in lists}
 
 
 # filesystem _exchange_file (kombu PR #2645) and the temporary name (kombu #2646/#2647)

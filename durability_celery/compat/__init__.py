@@ -71,14 +71,15 @@ def check_versions(installed: dict[str, str] | None = None) -> None:
 # compat.NAME.
 from .broker import (  # noqa: E402
     exchange_file,
-    expire_redis_queue,
     open_publish_batch,
-    redis_applies_queue_expiry,
+    redis_deliver,
+    redis_lists,
+    tag_deliveries,
     temporary_beside,
 )
 
 __all__ = [
     "CELERY", "KOMBU", "SUPPORTED", "check_versions",
-    "exchange_file", "expire_redis_queue", "open_publish_batch",
-    "redis_applies_queue_expiry", "temporary_beside",
+    "exchange_file", "open_publish_batch", "redis_deliver", "redis_lists", "tag_deliveries",
+    "temporary_beside",
 ]

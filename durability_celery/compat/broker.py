@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -31,22 +32,28 @@ open_publish_batch = batch_of if _KOMBU_5_7 else no_batch
 """A producer's publish batch, not yet entered; None where kombu has none."""
 
 
-# kombu's Redis transport ignores a queue's x-expires before kombu PR #2251
-# (kombu 5.7): a reply queue whose client went away would never expire. There
-# the publisher sets the expiry itself after each push, as 5.7 does.
-def redis_applies_queue_expiry(channel: Any) -> bool:
-    """True when this kombu's Redis channel PEXPIREs a queue declared with x-expires on
-    each push (kombu 5.7: `Channel._get_queue_expire`)."""
-    return _KOMBU_5_7
+# kombu's Redis transport has no public way to name the lists a queue lives in, to
+# take entries other than by its own BRPOP, or to choose its delivery tags; the
+# holder's intake and replies need all three (holder/intake.py, holder/replies.py).
+def redis_lists(channel: Any, queue_names: list[str]) -> list[tuple[str, str]]:
+    """(list key, queue) of every Redis list kombu keeps `queue_names` in, in its BRPOP
+    order: every queue's list of the first priority, then the next (the channel's
+    private `_q_for_pri` and `priority_steps`)."""
+    return [(channel._q_for_pri(name, priority), name)
+            for priority in channel.priority_steps for name in queue_names]
 
 
-def expire_redis_queue(channel: Any, queue: str, milliseconds: int) -> None:
-    """PEXPIRE every priority list of `queue` on this Redis channel (one round trip);
-    the list names come from the channel's private `_q_for_pri`, as kombu names them."""
-    with channel.conn_or_acquire() as client, client.pipeline() as pipe:
-        for priority in channel.priority_steps:
-            pipe.pexpire(channel._q_for_pri(queue, priority), milliseconds)
-        pipe.execute()
+def redis_deliver(channel: Any) -> Callable[[Any, str], None]:
+    """The transport's own delivery of a raw payload taken from a queue's list to the
+    channel's consumers, as after its BRPOP (`Transport._deliver`)."""
+    deliver: Callable[[Any, str], None] = channel.connection._deliver
+    return deliver
+
+
+def tag_deliveries(channel: Any, make_tag: Callable[[], str]) -> None:
+    """Have this Redis channel tag each message it publishes with `make_tag()` (its
+    private `_next_delivery_tag`, a fresh uuid4 per message)."""
+    channel._next_delivery_tag = make_tag
 
 
 # kombu's filesystem Channel computes an exchange's table file in

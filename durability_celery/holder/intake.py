@@ -18,6 +18,8 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 from redis.exceptions import RedisError, ResponseError
 
+from .. import compat
+
 logger = logging.getLogger("durability_celery.holder")
 
 TAKE_MAX = 1024
@@ -67,11 +69,10 @@ def redis_drain(connection: Any, channel: Any, queue_names: list[str]) -> Drain 
     if tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (6, 2):
         return None
     # kombu's BRPOP order: every queue's list of the first priority, then the next.
-    lists = [(channel._q_for_pri(name, priority), name)
-             for priority in channel.priority_steps for name in queue_names]
+    lists = compat.redis_lists(channel, queue_names)
     keys = [key.encode() for key, _ in lists]  # encoded once, not at every wake-up
     count = max(1, TAKE_MAX // len(queue_names))
-    deliver = channel.connection._deliver
+    deliver = compat.redis_deliver(channel)
 
     def drain() -> int:
         try:

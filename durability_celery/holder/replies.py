@@ -133,10 +133,8 @@ class ReplyPublisher:
             channel = self._producer.channel
             with channel.conn_or_acquire() as client, \
                     client.pipeline(transaction=False) as pipe:
-                for queue in dict.fromkeys(pushed):
-                    for priority in channel.priority_steps:
-                        pipe.pexpire(channel._q_for_pri(queue, priority),
-                                     self._reply_expires_ms)
+                for name, _ in compat.redis_lists(channel, list(dict.fromkeys(pushed))):
+                    pipe.pexpire(name, self._reply_expires_ms)
                 pipe.execute()
         except Exception as exc:  # the replies went out; the next publish reconnects
             logger.warning("durability holder: reply queue expiry not set: %r", exc)
@@ -150,7 +148,7 @@ class ReplyPublisher:
             self._pushed.clear()
             self._expire_by_hand = self._connection.transport.driver_type == "redis"
             if self._expire_by_hand:  # kombu's Redis channel tags each message itself
-                self._producer.channel._next_delivery_tag = _delivery_tag
+                compat.tag_deliveries(self._producer.channel, _delivery_tag)
         return self._producer
 
     def close(self) -> None:
