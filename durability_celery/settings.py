@@ -24,6 +24,10 @@ class DurabilitySettings:
     shards: int = 16
     """Holder queues; keys map onto them by a stable hash. Changing it moves keys."""
     queue_prefix: str = "durability"
+    shard_queue_type: str = "classic"
+    """"classic", or "quorum" for the holder's shard queues on RabbitMQ (docs/operations.md):
+    every holder and client of a deployment must say the same, as RabbitMQ refuses a
+    declaration of an existing queue with another type."""
     request_timeout: float = 5.0
     """A request unanswered this long counts as lost; the client asks again. Keep it well
     under a semaphore's grant_timeout: a claim counts only once a report of it reaches the
@@ -59,12 +63,20 @@ class DurabilitySettings:
     """Give the metric series counted per key a `key` label (docs/operations.md, "Metrics").
     Off by default: every key becomes a series of its own, and keys may be countless."""
 
+    @property
+    def shard_queue_arguments(self) -> dict[str, str] | None:
+        """The shard queues' declaration arguments (queues.holder_queue_declaration)."""
+        return {"x-queue-type": "quorum"} if self.shard_queue_type == "quorum" else None
+
     def __post_init__(self) -> None:
         _check_range("shards", self.shards, 1, 4096)
         if not isinstance(self.shards, int):
             raise ConfigurationError("shards must be an int")
         if not isinstance(self.queue_prefix, str) or not _PREFIX.match(self.queue_prefix):
             raise ConfigurationError("queue_prefix must match [A-Za-z0-9_.-]{1,60}")
+        if self.shard_queue_type not in ("classic", "quorum"):
+            raise ConfigurationError(
+                f"shard_queue_type must be 'classic' or 'quorum', got {self.shard_queue_type!r}")
         _check_range("request_timeout", self.request_timeout, 0.05, 3600)
         if self.claim_margin is not None:
             _check_range("claim_margin", self.claim_margin, 0, 3600)

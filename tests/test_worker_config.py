@@ -60,9 +60,11 @@ def test_settings_from_env(tmp_path: Path) -> None:
         "DURABILITY_SHARDS": "4", "DURABILITY_QUEUE_PREFIX": "acme",
         "DURABILITY_RECLAIM_INTERVAL": "2.5", "DURABILITY_SUPPORTS_LEASES": "no",
         "DURABILITY_MAX_HELD": "none", "DURABILITY_HOLD_DEADLINE": "120",
+        "DURABILITY_SHARD_QUEUE_TYPE": "quorum",
     }, cwd=tmp_path)
     s = config.settings
     assert (s.shards, s.queue_prefix, s.reclaim_interval) == (4, "acme", 2.5)
+    assert s.shard_queue_arguments == {"x-queue-type": "quorum"}
     assert s.supports_leases is False and s.max_held is None and s.hold_deadline == 120.0
 
 
@@ -71,6 +73,8 @@ def test_settings_from_env(tmp_path: Path) -> None:
     ({"DURABILITY_SHARDS": "0"}, "DURABILITY_SHARDS", "between 1 and 4096"),
     ({"DURABILITY_SUPPORTS_LEASES": "maybe"}, "DURABILITY_SUPPORTS_LEASES", "true or false"),
     ({"DURABILITY_QUEUE_PREFIX": "a b"}, "DURABILITY_QUEUE_PREFIX", "queue_prefix"),
+    ({"DURABILITY_SHARD_QUEUE_TYPE": "stream"}, "DURABILITY_SHARD_QUEUE_TYPE",
+     "'classic' or 'quorum', got 'stream'"),
     ({"DURABILITY_BROKER_URL": "kafka://x"}, "DURABILITY_BROKER_URL", "unsupported"),
     ({"DURABILITY_BROKER_URL": "localhost"}, "DURABILITY_BROKER_URL", "not a broker URL"),
     ({"DURABILITY_BROKER_URL": "redis://h", "DURABILITY_VISIBILITY_TIMEOUT": "-1"},

@@ -48,6 +48,7 @@ class BlockingClient:
             settings.queue_prefix, f"{safe_queue_part(self.client_id)}.{uuid.uuid4().hex[:8]}"
         )
         self._reply_expires = settings.reply_expires
+        self._queue_arguments = settings.shard_queue_arguments
         self._connection: Any = None
         self._producer: Any = None
         self._consumer: Any = None
@@ -85,7 +86,8 @@ class BlockingClient:
                  wait: float) -> None:
         self._connect()
         if queue not in self._declared:
-            holder_queue_declaration(queue)(self._producer.channel).declare()  # type: ignore[no-untyped-call]
+            holder_queue_declaration(queue, arguments=self._queue_arguments)(
+                self._producer.channel).declare()  # type: ignore[no-untyped-call]
             self._declared.add(queue)
         self._awaiting, self._reply = correlation_id, None
         self._producer.publish(

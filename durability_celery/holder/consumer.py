@@ -47,6 +47,7 @@ class HolderConsumer(threading.Thread):
         semaphores: dict[str, Any],
         dispatcher: Dispatcher,
         clock: Callable[[], float],
+        queue_arguments: dict[str, str] | None = None,
     ) -> None:
         super().__init__(name="durability-holder-consumer", daemon=True)
         self._app = app
@@ -54,6 +55,7 @@ class HolderConsumer(threading.Thread):
         self._semaphores = semaphores
         self._dispatcher = dispatcher
         self._clock = clock
+        self._queue_arguments = queue_arguments
         self._stopping = threading.Event()
         self.consuming = threading.Event()
         self._taken = 0
@@ -90,7 +92,8 @@ class HolderConsumer(threading.Thread):
         with self._app.connection_for_write() as connection:
             connection.ensure_connection(max_retries=1)
             channel = connection.channel()
-            queues = [holder_queue_declaration(name) for name in self._queue_names]
+            queues = [holder_queue_declaration(name, arguments=self._queue_arguments)
+                      for name in self._queue_names]
             consumer = Consumer(  # type: ignore[no-untyped-call]
                 channel, queues, accept=["json"], no_ack=True, on_message=self._on_message,
                 on_decode_error=self._on_decode_error,

@@ -58,6 +58,7 @@ class Holder:
             semaphores=durability.semaphores,
             dispatcher=self.dispatcher,
             clock=clock,
+            queue_arguments=durability.settings.shard_queue_arguments,
         )
 
     def start(self) -> None:

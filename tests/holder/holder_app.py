@@ -58,24 +58,6 @@ def _limit(limit: int, delay: float | None) -> int | Callable[[str], int]:
     return slow
 
 
-def shard_queue_declaration(arguments: dict[str, Any]) -> Callable[[str], Any]:
-    """The holder shard queue declaration with `arguments` (queues.holder_queue_declaration):
-    what the holder's consumer and the blocking clients of a test declare instead, when its
-    config has `shard_queue_arguments` (the library has no setting for it: see
-    docs/operations.md, RabbitMQ)."""
-    from durability_celery.queues import holder_queue_declaration
-
-    def declaration(name: str) -> Any:
-        return holder_queue_declaration(name, arguments=arguments)
-
-    return declaration
-
-
 if CONFIG_ENV in os.environ:
     _config = json.loads(os.environ[CONFIG_ENV])
-    if _config.get("shard_queue_arguments"):
-        from durability_celery.holder import consumer as _consumer
-
-        _consumer.holder_queue_declaration = shard_queue_declaration(  # type: ignore[assignment]
-            _config["shard_queue_arguments"])
     app, durability = make_app(_config)

@@ -14,12 +14,11 @@ import pytest
 from amqp.exceptions import PreconditionFailed
 from kombu import Connection
 
-from durability_celery.client import blocking
 from durability_celery.queues import holder_queue_declaration
 
 from .conftest import HERE, Backend, HolderRig, semaphore_config
 from .conftest import RABBITMQ_URL as RABBITMQ
-from .holder_app import CONFIG_ENV, shard_queue_declaration
+from .holder_app import CONFIG_ENV
 from .test_holder import run_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -37,12 +36,14 @@ def rabbitmq_backend(holder_pg_url: str) -> Backend:
 
 
 @pytest.fixture
-def rabbitmq_rig(make_rig: Callable[..., HolderRig],
-                 rabbitmq_backend: Backend) -> Iterator[HolderRig]:
-    """A rig on RabbitMQ whose shard queues are deleted at the end (they are durable)."""
+def rabbitmq_rig(make_rig: Callable[..., HolderRig], rabbitmq_backend: Backend,
+                 request: pytest.FixtureRequest) -> Iterator[HolderRig]:
+    """A rig on RabbitMQ whose shard queues are deleted at the end (they are durable);
+    its shard_queue_type is the test's indirect parameter, classic by default."""
+    queue_type = getattr(request, "param", "classic")
     rig = make_rig(rabbitmq_backend, [semaphore_config(
         "jobs", rabbitmq_backend.database, limit=LIMIT, round_wait=0.05, round_period=0.3,
-        grant_timeout=5.0)])
+        grant_timeout=5.0)], {"shard_queue_type": queue_type})
     try:
         yield rig
     finally:
@@ -106,11 +107,9 @@ def test_quorum_shard_queues_are_refused_to_a_holder_that_declares_them_classic(
     assert "durability holder: consuming" not in proc.log()
 
 
-def test_quorum_shard_queues_serve_a_contended_key(rabbitmq_rig: HolderRig,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    rig = rabbitmq_rig
-    rig.config["shard_queue_arguments"] = QUORUM  # the holder subprocess declares quorum
-    monkeypatch.setattr(blocking, "holder_queue_declaration", shard_queue_declaration(QUORUM))
+@pytest.mark.parametrize("rabbitmq_rig", ["quorum"], indirect=True)
+def test_quorum_shard_queues_serve_a_contended_key(rabbitmq_rig: HolderRig) -> None:
+    rig = rabbitmq_rig  # shard_queue_type="quorum": the holder and the clients declare so
     rig.start_holder()
     _contended_key(rig)
     # They are quorum queues: a classic declaration of one is refused.
