@@ -218,10 +218,12 @@ class Batcher:
             at = slot.parked_at + round_wait
             if last is not None:
                 told = _told_at(last, round_wait, slot.period or round_period)
-                if slot.parked_at < told:
-                    # It waited for the period, and the clients the last round told to
-                    # ask at its end are gathered by `told`, not a round_wait later.
-                    at = told
+                # It waits for the period, and the clients the last round told to ask at
+                # its end are gathered by `told`. One that comes later (busy, or the key
+                # was quiet) gets a gathering moment, not a round_wait: its key's
+                # rounds stay a period apart, and its budget does not idle for them.
+                at = told if slot.parked_at < told else (
+                    slot.parked_at + gathering_moment(round_wait))
             times.append(at)
         at = min(times)
         if last is not None:

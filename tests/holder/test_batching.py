@@ -112,12 +112,16 @@ def test_a_report_sent_just_before_the_period_ends_waits_only_for_it() -> None:
     assert b.round_at(K) == 3.0 + GATHER
 
 
-def test_a_request_after_the_gathering_moment_waits_round_wait() -> None:
-    # Past last round + period + GATHER nobody was told to come: a burst starting now
-    # gets the whole round_wait to gather, as on a key with no round yet.
+def test_a_blocked_client_asking_after_the_gathering_moment_waits_a_moment() -> None:
+    # Past last round + period + GATHER (a busy client, or a key quiet since): a
+    # round_wait more would idle the key's budget; a moment gathers what comes with it,
+    # and the rounds stay a period apart.
     b = after_one_round()
     b.add(K, req(3.0 + GATHER, 2))
-    assert b.round_at(K) == 4.0 + GATHER
+    assert b.round_at(K) == pytest.approx(3.0 + 2 * GATHER)
+    b.add(K, req(3.0 + GATHER + 0.01, 3))  # sent with it: the same round
+    (job,) = b.take_due(3.0 + 2 * GATHER)
+    assert isinstance(job, Round) and [r.body["n"] for r in job.requests] == [2, 3]
 
 
 def test_the_gathering_moment_never_exceeds_round_wait() -> None:
