@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import DurabilityError
 
@@ -63,7 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(commands)
+    _add_database_commands(commands)
+    _add_live_commands(commands)
+    _add_holder(commands)
+    return parser
 
+
+def _add_demo(commands: Any) -> None:
     demo = commands.add_parser("demo", help="run a live demo: holder, two client workers, beat")
     demo.add_argument("--broker", metavar="URL",
                       help="broker URL, e.g. redis://127.0.0.1:6379/0 or "
@@ -86,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the verdict as JSON")
     demo.add_argument("--snapshot-svg", metavar="PATH", help=argparse.SUPPRESS)
 
+
+def _add_database_commands(commands: Any) -> None:
     usage = commands.add_parser("usage", help="the holder's usage of one key")
     usage.add_argument("semaphore", help="a configured semaphore's name")
     usage.add_argument("key", help="the key whose usage to show, e.g. an account id")
@@ -104,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="semaphores to prune (default: every configured one)")
     _add_source_options(prune)
 
+
+def _add_live_commands(commands: Any) -> None:
     why = commands.add_parser(
         "why", help="why a task waits: its worker, key, group, reason and place in line")
     why.add_argument("task_id", metavar="TASK_ID", help="the task's id (what .delay() returned)")
@@ -118,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="show the N busiest keys (default 10)")
     top.add_argument("--json", action="store_true", help="print one frame as JSON and exit")
 
+
+def _add_holder(commands: Any) -> None:
     holder = commands.add_parser(
         "holder", help="start a holder worker (runs celery ... worker --durability-holder)")
     holder.add_argument("-A", "--app", metavar="MODULE", default="worker_config",
@@ -128,7 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the celery command instead of running it")
     holder.add_argument("celery_args", nargs=argparse.REMAINDER,
                         help="more `celery worker` options, after --")
-    return parser
 
 
 def run(argv: Sequence[str]) -> int:

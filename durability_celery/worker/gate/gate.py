@@ -92,27 +92,15 @@ class Gate(Hold, HolderTalk):
             self.hooks.requests.refuse(request, exc)
             return
         with self.lock:
-            state = self.state
             if self._ended:
                 self._release_ended()  # their slots and permits may serve this request
-            previous = state.held.pop(item, None)
-            if previous is not None:
-                # Redelivered while held: keep the newer delivery (the broker's
-                # unacked record now belongs to it) and restart its hold clock.
-                self.hooks.requests.forget(previous.request)
-                previous.request, previous.held_since = request, self.clock()
-                state.held[item] = previous
-                return
-            if item in state.running:
-                logger.warning("durability: duplicate delivery of running task %s dropped",
-                               request.id)
-                self.hooks.requests.drop(request)
+            if self._duplicate(item, request):
                 return
             # Passed-on permits start first: their tasks were admitted earlier; then held
             # tasks that a pool slot freed since the last pump lets start.
-            if state.passed:
+            if self.state.passed:
                 self._start_passed()
-            if state.held:
+            if self.state.held:
                 self._admit()
             client = self.clients[semaphore]
             free = self._free()
@@ -131,16 +119,8 @@ class Gate(Hold, HolderTalk):
                     if self._waited_on and client.waited_on(key):
                         self.hooks.wake(True)
                     return
-            client.enqueue(key, group, item, enqueued_at=enqueued_at)
-            # One more prefetch slot per held message keeps other work flowing. Past
-            # the hold's limit the held message takes one of the pool's slots in the
-            # prefetch window, and the broker sends work elsewhere.
-            raised = self._may_raise(free)
-            if raised:
-                state.raised += 1
-                self.hooks.qos_increment()
-            state.held[item] = Held(request, semaphore, key, group, enqueued_at,
-                                    self.clock(), raised)
+            self._hold(Held(request, semaphore, key, group, enqueued_at, self.clock(), False),
+                       item, free)
             # A collecting pump asks the holder for it, unless a permit at hand or a full
             # pool is all it waits for: that pump would sweep every key for nothing. With
             # the pool full too, no pump is needed at all: the release that frees a slot
@@ -152,6 +132,37 @@ class Gate(Hold, HolderTalk):
             if not collect and free <= 0 and not self._ended:
                 return
         self.hooks.wake(collect)
+
+    def _duplicate(self, item: str, request: Any) -> bool:
+        """A delivery of a task already held or running: True once handled."""
+        state = self.state
+        previous = state.held.pop(item, None)
+        if previous is not None:
+            # Redelivered while held: keep the newer delivery (the broker's unacked
+            # record now belongs to it) and restart its hold clock.
+            self.hooks.requests.forget(previous.request)
+            previous.request, previous.held_since = request, self.clock()
+            state.held[item] = previous
+            return True
+        if item in state.running:
+            logger.warning("durability: duplicate delivery of running task %s dropped",
+                           request.id)
+            self.hooks.requests.drop(request)
+            return True
+        return False
+
+    def _hold(self, held: Held, item: str, free: int) -> None:
+        """Queue the request in its client and hold its message until a permit comes."""
+        self.clients[held.semaphore].enqueue(held.key, held.group, item,
+                                             enqueued_at=held.enqueued_at)
+        # One more prefetch slot per held message keeps other work flowing. Past the
+        # hold's limit the held message takes one of the pool's slots in the prefetch
+        # window, and the broker sends work elsewhere.
+        held.raised_qos = self._may_raise(free)
+        if held.raised_qos:
+            self.state.raised += 1
+            self.hooks.qos_increment()
+        self.state.held[item] = held
 
     # -- the pump (event-loop thread) ------------------------------------------
 
