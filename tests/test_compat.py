@@ -99,6 +99,35 @@ def test_redis_lists_are_the_ones_kombu_pushes_to_in_its_brpop_order() -> None:
             assert channel._q_for_pri("dc.a", priority) in {name for name, _ in lists}
 
 
+# The holder's own push of replies: the text and the list kombu's Producer uses.
+
+@pytest.mark.parametrize("body", [
+    {"round_at": 1764806400.125, "grants": [{"grant_id": "g1", "group": None}]},
+    {"error": {"code": "x", "message": "caf\u00e9 \u2603 \"q\""}}, {"n": 2 ** 70}, [],
+])
+@pytest.mark.parametrize("correlation_id", ["c-1", None])
+def test_a_redis_envelope_is_the_text_kombus_producer_pushes(
+        body: Any, correlation_id: str | None) -> None:
+    import redis
+
+    from durability_celery.compat.redis_publish import redis_envelope, redis_list_of
+
+    url = redis_db_url(0)
+    server = redis.Redis.from_url(url)
+    server.delete("dc.compat.envelope")
+    with Connection(url) as connection:
+        producer = connection.Producer(serializer="json")
+        compat.tag_deliveries(producer.channel, lambda: "tag-1")
+        producer.publish(body, exchange="", routing_key="dc.compat.envelope",
+                         correlation_id=correlation_id, serializer="json")
+        mine = redis_envelope(producer.channel, body, routing_key="dc.compat.envelope",
+                              correlation_id=correlation_id, delivery_tag="tag-1")
+        target = redis_list_of(producer.channel)("dc.compat.envelope")
+    assert target == "dc.compat.envelope"
+    assert server.lrange(target, 0, -1) == [mine.encode()]
+    server.delete(target)
+
+
 # filesystem _exchange_file (kombu PR #2645) and the temporary name (kombu #2646/#2647)
 
 def test_exchange_file_without_kombus_helper(tmp_path: Path) -> None:

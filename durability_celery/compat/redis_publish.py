@@ -1,0 +1,50 @@
+# kombu's Redis transport has no public way to make the text it pushes for a
+# published message, nor to name the list it pushes it on, without its
+# per-message publish machinery (Producer.publish, the virtual Channel's
+# prepare_message and _inplace_augment_message, the Redis Channel's _put and
+# _q_for_pri): the holder pushes a batch's replies itself, in one pipeline
+# (holder/replies.py). The same on every supported kombu (5.4.2-5.7);
+# tests/test_compat.py compares the text with what kombu's Producer pushes.
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from kombu.utils.json import JSONEncoder
+
+_BODY = JSONEncoder()
+"""What kombu's "json" serializer encodes a body with (kombu.utils.json.dumps: this class,
+default options)."""
+_ENVELOPE = json.JSONEncoder()
+"""The envelope holds only strings, numbers and dicts: kombu's encoder writes the same."""
+
+
+def redis_list_of(channel: Any) -> Callable[[str], str]:
+    """queue -> the Redis list `channel` pushes a message of the default priority to that
+    queue on (`_put`: `_q_for_pri` of `_get_message_priority`)."""
+    priority = channel._get_message_priority({"properties": {"priority": 0}}, reverse=False)
+    list_for: Callable[[str, int], str] = channel._q_for_pri
+    return lambda queue: list_for(queue, priority)
+
+
+def redis_envelope(channel: Any, body: Any, *, routing_key: str, correlation_id: str | None,
+                   delivery_tag: str) -> str:
+    """The text kombu pushes for `Producer(channel, serializer="json").publish(body,
+    exchange="", routing_key=routing_key, correlation_id=correlation_id)` when the channel's
+    next delivery tag is `delivery_tag`."""
+    encoded, encoding = channel.encode_body(_BODY.encode(body), channel.body_encoding)
+    return _ENVELOPE.encode({
+        "body": encoded,
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {},
+        "properties": {
+            "correlation_id": correlation_id,
+            "delivery_mode": 2,  # the default exchange's: persistent
+            "delivery_info": {"exchange": "", "routing_key": routing_key},
+            "priority": channel.default_priority,
+            "body_encoding": encoding,
+            "delivery_tag": delivery_tag,
+        },
+    })
