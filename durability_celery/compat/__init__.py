@@ -14,7 +14,7 @@
 #   compat/broker.py    kombu publishing and the filesystem transport's paths
 #   compat/filesystem.py  kombu's filesystem channel with atomic writes
 #   compat/redis_qos.py kombu's virtual and Redis QoS (unacked records, restore)
-#   compat/redis_publish.py  the text and list of a message kombu pushes on Redis
+#   compat/wire.py      kombu's wire text: a message pushed on Redis, JSON decoding
 #   compat/worker.py    Celery's worker: state, strategy, consumer, pools, requests
 #
 # Only this module and broker.py load at import: the others import Celery's

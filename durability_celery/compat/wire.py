@@ -1,10 +1,13 @@
-# kombu's Redis transport has no public way to make the text it pushes for a
-# published message, nor to name the list it pushes it on, without its
+# kombu's wire text, for the holder's own push of replies and its decoding of
+# requests. kombu's Redis transport has no public way to make the text it pushes
+# for a published message, nor to name the list it pushes it on, without its
 # per-message publish machinery (Producer.publish, the virtual Channel's
 # prepare_message and _inplace_augment_message, the Redis Channel's _put and
 # _q_for_pri): the holder pushes a batch's replies itself, in one pipeline
-# (holder/replies.py). The same on every supported kombu (5.4.2-5.7);
-# tests/test_compat.py compares the text with what kombu's Producer pushes.
+# (holder/replies.py). kombu's JSON decoding (kombu.utils.json.loads) passes an
+# object hook, so Python's json module makes a new decoder for every message.
+# The same on every supported kombu (5.4.2-5.7); tests/test_compat.py compares
+# the text with what kombu's Producer pushes, and the decoding with kombu's.
 from __future__ import annotations
 
 import json
@@ -12,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kombu.utils.json import JSONEncoder
+from kombu.utils.json import loads as kombu_loads
 
 _BODY = JSONEncoder()
 """What kombu's "json" serializer encodes a body with (kombu.utils.json.dumps: this class,
@@ -48,3 +52,34 @@ def redis_envelope(channel: Any, body: Any, *, routing_key: str, correlation_id:
             "delivery_tag": delivery_tag,
         },
     })
+
+
+def _plain_json(text: str) -> bool:
+    """Whether kombu's object hook leaves every object of the JSON `text` as it is: it
+    turns only an object keyed exactly `__type__` and `__value__`, and without a `\\u`
+    escape no key can spell `__type__` other than literally."""
+    return "__type__" not in text and "\\u" not in text
+
+
+def json_loads(text: str) -> Any:
+    """kombu.utils.json.loads(text), through Python's shared decoder where its object hook
+    would change nothing (the same result, errors included)."""
+    return json.loads(text) if _plain_json(text) else kombu_loads(text)  # type: ignore[no-untyped-call]
+
+
+def decoded_json(message: Any) -> Any:
+    """`message.decode()` (kombu's Message), the same result or error, for a message of a
+    consumer accepting JSON: a non-empty JSON body that kombu's object hook would leave
+    as it is goes through Python's shared decoder. Anything else, a body that does not
+    decode included (for kombu's own error), goes to `message.decode()`."""
+    body = message.body
+    accept = message.accept
+    if (message.content_type == "application/json" and accept is not None
+            and "application/json" in accept and isinstance(body, bytes) and body):
+        try:
+            text = body.decode("utf-8")
+            if _plain_json(text):
+                return json.loads(text)
+        except ValueError:
+            pass
+    return message.decode()

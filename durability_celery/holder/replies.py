@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .. import compat
-from ..compat.redis_publish import redis_envelope, redis_list_of
+from ..compat.wire import redis_envelope, redis_list_of
 
 logger = logging.getLogger("durability_celery.holder")
 
