@@ -24,7 +24,7 @@
 # little as possible of the 2 cores from the holders.
 #
 #   python -m benchmarks.holder_scale [--seconds 30] [--keys 10000] [--phases default]
-#       [--holders 1 2] [--sim-processes 1]
+#       [--holders 1 2] [--sim-processes 1] [--settle 0] [--stagger 0] [--saturate]
 from __future__ import annotations
 
 import argparse
@@ -191,7 +191,8 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
 
 
 def measure_phase(name: str, config: dict[str, Any], stats: PgStats, keys: int, seconds: float,
-                  log: Path, holders: int = 1, sim_processes: int = 1) -> dict[str, Any]:
+                  log: Path, holders: int = 1, sim_processes: int = 1, settle: float = 0.0,
+                  stagger: float = 0.0, saturate: bool = False) -> dict[str, Any]:
     wait, period = PHASES[name]
     redis.Redis.from_url(config["broker_url"]).flushdb()
     # This phase's holders serve only this phase's semaphore: the keys and the
@@ -204,15 +205,17 @@ def measure_phase(name: str, config: dict[str, Any], stats: PgStats, keys: int, 
                                              f"{first}-{last}"))
                  for first, last in ranges]
         sims = Simulators(only, name, keys, sim_processes, _warm_keys(name, ranges, shards),
-                          seconds)
+                          (seconds, settle, stagger), saturate)
         stack.callback(sims.close)
         sims.ready(timeout=90.0)
+        sims.start()
+        time.sleep(settle)  # the simulators tally from then on too
         pids = [proc.pid for proc in procs]
         rss_before = _rss_kb(pids)
         sampler = RssSampler(pids)
         sampler.start()
         pg_before, cpu_before = stats.read(), sum(_cpu_s(pid) for pid in pids)
-        elapsed, tally = sims.run(timeout=seconds + 60.0)
+        elapsed, tally = sims.results(timeout=seconds + 60.0)
         pg = _delta(stats.read(), pg_before)
         cpu = sum(_cpu_s(pid) for pid in pids) - cpu_before
         sampler.stop()
@@ -307,7 +310,7 @@ def _ratios(rows: list[dict[str, Any]]) -> list[str]:
     return ["", *lines] if lines else []
 
 
-def _header(keys: int, seconds: float, took: float, sim_processes: int) -> list[str]:
+def _header(keys: int, seconds: float, took: float, args: argparse.Namespace) -> list[str]:
     return [
         f"Holder scale through a real holder: {keys} keys x {CLIENTS_PER_KEY} of {CLIENTS} "
         f"simulated clients, limit {LIMIT}, demand {DEMAND} per client and key, "
@@ -317,7 +320,10 @@ def _header(keys: int, seconds: float, took: float, sim_processes: int) -> list[
         "(\"N holders\": N such processes on split --durability-shards ranges, one database; "
         "their CPU and RSS summed);",
         f"per round setting a fresh holder serving only that setting, and a {seconds:.0f} s "
-        f"window; the simulator in {sim_processes} process(es).",
+        f"window after {args.settle:g} s of load; the first requests "
+        + (f"spread over {args.stagger:g} s" if args.stagger else "all at once")
+        + f"; the simulator in {args.sim_processes} process(es)"
+        + ("; clients ignore stretched periods (--saturate)." if args.saturate else "."),
         "Latency: request published -> reply consumed, answered requests only; PG figures are "
         "pg_stat_database deltas of the run's database.",
         f"python {platform.python_version()}, {platform.platform()}, {os.cpu_count()} CPUs, "
@@ -340,6 +346,16 @@ def main() -> int:
                              "(e.g. 1 2: one, then two on split shard ranges, and the ratio)")
     parser.add_argument("--sim-processes", type=int, default=1,
                         help="simulator processes sharing the clients")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds of load before each window (not measured): the "
+                             "window then sees the holder past the first requests")
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="send the first requests evenly over this many seconds "
+                             "(default: all at once)")
+    parser.add_argument("--saturate", action="store_true",
+                        help="clients ask again a round_period after each round, ignoring "
+                             "the longer periods a holder behind tells: rounds per second "
+                             "is then what the holder(s) can serve")
     args = parser.parse_args()
 
     started = time.monotonic()
@@ -361,7 +377,9 @@ def main() -> int:
         for phase in args.phases:
             for holders in args.holders:
                 row = measure_phase(phase, config, stats, args.keys, args.seconds, log,
-                                    holders=holders, sim_processes=args.sim_processes)
+                                    holders=holders, sim_processes=args.sim_processes,
+                                    settle=args.settle, stagger=args.stagger,
+                                    saturate=args.saturate)
                 rows.append(row)
                 print(f"{row['phase']}: {row['rounds_per_s']:.1f} rounds/s, "
                       f"p50 {row['p50_ms']:.0f} ms, {row['unanswered']} unanswered",
@@ -373,7 +391,7 @@ def main() -> int:
         admin.close()
         redis.Redis.from_url(args.redis).flushdb()
     took = time.monotonic() - started
-    text = render(rows, args.keys, _header(args.keys, args.seconds, took, args.sim_processes))
+    text = render(rows, args.keys, _header(args.keys, args.seconds, took, args))
     warnings = _log_lines(log)
     if warnings:
         text += "\nholder log, WARNING and above (most frequent first):\n" + warnings

@@ -97,9 +97,12 @@ class Simulator:
     one semaphore they serve; replies are matched to (client, key) by correlation id."""
 
     def __init__(self, durability: Any, semaphore: str, keys: int, clients: list[int],
-                 token: str) -> None:
+                 token: str, unstretched: float | None = None) -> None:
         self.durability = durability
         self.semaphore = semaphore
+        self.unstretched = unstretched
+        """A round_period: ask again by round_at + it, whatever period a reply told (a
+        holder behind stretches it): the holder stays saturated."""
         prefix = durability.settings.queue_prefix
         self.client_ids = {i: f"celery@scale-{i}/{token}" for i in clients}
         self.reply_queues = {i: reply_queue(prefix, f"scale-{i}.{token}") for i in clients}
@@ -183,7 +186,10 @@ class Simulator:
                 held[grant["grant_id"]] = grant["permits"]  # "run" now, reported next time
             else:
                 held.pop(grant["grant_id"], None)
-        heapq.heappush(self.due, (float(body["next_request_at"]), key, client))
+        next_at = float(body["next_request_at"])
+        if self.unstretched is not None:
+            next_at = min(next_at, at[1] + self.unstretched)
+        heapq.heappush(self.due, (next_at, key, client))
 
     def drain(self, until: float) -> None:
         """Take replies until none is waiting, `until` (monotonic) passes, or DRAIN_MAX
@@ -208,15 +214,30 @@ class Simulator:
         self.held.clear()
         self.tally = Tally()
 
-    def run(self, seconds: float) -> float:
-        """Every (key, client) sends, then re-sends on schedule, for `seconds`; returns them."""
+    def run(self, seconds: float, *, settle: float = 0.0, stagger: float = 0.0) -> float:
+        """Every (key, client) sends, then re-sends on schedule, for `settle` and then
+        `seconds` more, whose replies alone are tallied; returns the tallied window. The
+        first requests go at once, or evenly over `stagger` seconds."""
         started = time.monotonic()
-        end = started + seconds
-        for n in range(0, len(self.pairs), BURST):
-            for key, client in self.pairs[n:n + BURST]:
-                self.send(key, client)
-            self.flush()
-            self.drain(end)
+        end = started + settle + seconds
+        if stagger > 0:
+            first = time.time()
+            for n, (key, client) in enumerate(self.pairs):
+                heapq.heappush(self.due, (first + stagger * n / len(self.pairs), key, client))
+        else:
+            for n in range(0, len(self.pairs), BURST):
+                for key, client in self.pairs[n:n + BURST]:
+                    self.send(key, client)
+                self.flush()
+                self.drain(end)
+        if settle > 0:
+            self._loop(started + settle)
+            self.tally = Tally()
+            started = time.monotonic()
+        self._loop(end)
+        return time.monotonic() - started
+
+    def _loop(self, end: float) -> None:
         while time.monotonic() < end:
             now = time.time()
             while self.due and self.due[0][0] <= now:
@@ -226,7 +247,6 @@ class Simulator:
             wait = 0.05 if not self.due else min(0.05, max(0.0, self.due[0][0] - now))
             self.receive(wait)
             self.drain(end)
-        return time.monotonic() - started
 
     def unanswered_ages(self) -> list[float]:
         now = time.monotonic()
@@ -234,18 +254,23 @@ class Simulator:
 
 
 def _child(config: dict[str, Any], semaphore: str, keys: int, clients: list[int], token: str,
-           warm_keys: list[str], seconds: float, pipe: Connection) -> None:
+           warm_keys: list[str], timing: tuple[float, float, float], saturate: bool,
+           pipe: Connection) -> None:
     """One simulator process: warm up, say so, run its window when told, send its Tally."""
     # tests/holder is not a package: the parent put it on sys.path, which spawn passes on
     holder_app = importlib.import_module("holder_app")
     _app, durability = holder_app.make_app(config)
-    sim = Simulator(durability, semaphore, keys, clients, token)
+    period = float(next(s["round_period"] for s in config["semaphores"]
+                        if s["name"] == semaphore))
+    sim = Simulator(durability, semaphore, keys, clients, token,
+                    unstretched=period if saturate else None)
     try:
         sim.warm_up(warm_keys, timeout=60.0)
         pipe.send("ready")
         pipe.recv()
+        seconds, settle, stagger = timing
         own = time.process_time()
-        elapsed = sim.run(seconds)
+        elapsed = sim.run(seconds, settle=settle, stagger=stagger)
         tally = sim.tally
         tally.unanswered = sim.unanswered_ages()
         tally.cpu_s = time.process_time() - own
@@ -256,10 +281,13 @@ def _child(config: dict[str, Any], semaphore: str, keys: int, clients: list[int]
 
 class Simulators:
     """`processes` simulator processes sharing the CLIENTS clients (client i in process
-    i % processes), over `keys` keys of `semaphore`."""
+    i % processes), over `keys` keys of `semaphore`; `timing`: the window, the seconds
+    before it, and the spread of the first requests (Simulator.run); `saturate`: clients
+    ignore stretched periods (Simulator.unstretched)."""
 
     def __init__(self, config: dict[str, Any], semaphore: str, keys: int, processes: int,
-                 warm_keys: list[str], seconds: float) -> None:
+                 warm_keys: list[str], timing: tuple[float, float, float],
+                 saturate: bool = False) -> None:
         context = multiprocessing.get_context("spawn")  # no kombu or Redis state inherited
         token = os.urandom(3).hex()
         self._pipes: list[Connection] = []
@@ -268,7 +296,7 @@ class Simulators:
             mine, theirs = context.Pipe()
             clients = list(range(n, CLIENTS, processes))
             proc = context.Process(target=_child, name=f"holder-sim-{n}", daemon=True, args=(
-                config, semaphore, keys, clients, token, warm_keys, seconds, theirs))
+                config, semaphore, keys, clients, token, warm_keys, timing, saturate, theirs))
             proc.start()
             self._pipes.append(mine)
             self._procs.append(proc)
@@ -278,10 +306,13 @@ class Simulators:
             if not pipe.poll(timeout) or pipe.recv() != "ready":
                 raise RuntimeError("a simulator process did not warm up")
 
-    def run(self, timeout: float) -> tuple[float, Tally]:
-        """Start every window now; the longest window and the merged tallies."""
+    def start(self) -> None:
+        """Start every simulator's run now."""
         for pipe in self._pipes:
             pipe.send("go")
+
+    def results(self, timeout: float) -> tuple[float, Tally]:
+        """The longest window and the merged tallies, once every simulator reported."""
         merged, elapsed = Tally(), 0.0
         for pipe in self._pipes:
             if not pipe.poll(timeout):
