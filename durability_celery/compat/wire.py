@@ -21,7 +21,7 @@ _BODY = JSONEncoder()
 """What kombu's "json" serializer encodes a body with (kombu.utils.json.dumps: this class,
 default options)."""
 _ENVELOPE = json.JSONEncoder()
-"""The envelope holds only strings, numbers and dicts: kombu's encoder writes the same."""
+"""For the envelope's number: kombu's encoder writes plain values as this one does."""
 
 
 def redis_list_of(channel: Any) -> Callable[[str], str]:
@@ -38,20 +38,26 @@ def redis_envelope(channel: Any, body: Any, *, routing_key: str, correlation_id:
     exchange="", routing_key=routing_key, correlation_id=correlation_id)` when the channel's
     next delivery tag is `delivery_tag`."""
     encoded, encoding = channel.encode_body(_BODY.encode(body), channel.body_encoding)
-    return _ENVELOPE.encode({
-        "body": encoded,
-        "content-encoding": "utf-8",
-        "content-type": "application/json",
-        "headers": {},
-        "properties": {
-            "correlation_id": correlation_id,
-            "delivery_mode": 2,  # the default exchange's: persistent
-            "delivery_info": {"exchange": "", "routing_key": routing_key},
-            "priority": channel.default_priority,
-            "body_encoding": encoding,
-            "delivery_tag": delivery_tag,
-        },
-    })
+    return _TEMPLATE % (_text(encoded), _text(correlation_id), _text(routing_key),
+                        _ENVELOPE.encode(channel.default_priority), _text(encoding),
+                        _text(delivery_tag))
+
+
+_TEMPLATE = ('{"body": %s, "content-encoding": "utf-8", "content-type": "application/json", '
+             '"headers": {}, "properties": {"correlation_id": %s, "delivery_mode": 2, '
+             '"delivery_info": {"exchange": "", "routing_key": %s}, "priority": %s, '
+             '"body_encoding": %s, "delivery_tag": %s}}')
+"""kombu's envelope (keys in its order, json's default separators) with its six values
+to fill in; delivery_mode 2 is the default exchange's (persistent)."""
+
+
+def _text(value: str | None) -> str:
+    """A string or None as JSON, as kombu's encoder writes it."""
+    return "null" if value is None else _STRING(value)
+
+
+_STRING: Callable[[str], str] = json.encoder.encode_basestring_ascii
+"""How Python's json (so kombu's encoder, with its default ensure_ascii) writes a string."""
 
 
 def _plain_json(text: str) -> bool:
