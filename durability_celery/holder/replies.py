@@ -70,14 +70,15 @@ class ReplyPublisher:
 
     @contextmanager
     def batch(self) -> Iterator[None]:
-        """Send the replies published inside together, when it ends (kombu's
-        Producer.batch). On Redis that is one pipeline and one round trip, where each
-        reply alone takes a client and a MULTI/EXEC of its own, holding the interpreter
-        lock the round threads need. Transports without batches (RabbitMQ)
-        publish each reply at once. The buffered replies are sent also when the body
-        raises: their rounds are committed, and their clients should hear of them. A
-        batch with no reply in it touches no connection. A kombu without batches
-        (compat.open_publish_batch) publishes each reply at once."""
+        """Send the replies published inside together, when it ends. On Redis (without
+        a key prefix) the publisher pushes them itself, on every kombu, in one pipeline
+        and one round trip per PUSH_MAX replies, where each reply alone takes a client
+        and a MULTI/EXEC of its own, holding the interpreter lock the round threads
+        need. Elsewhere kombu's Producer.batch does, where kombu has it
+        (compat.open_publish_batch); transports without batches (RabbitMQ) publish
+        each reply at once. The buffered replies are sent also when the body raises:
+        their rounds are committed, and their clients should hear of them. A batch
+        with no reply in it touches no connection."""
         self._batching = True
         try:
             yield
