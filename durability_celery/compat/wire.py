@@ -27,7 +27,8 @@ _ENVELOPE = json.JSONEncoder()
 def redis_list_of(channel: Any) -> Callable[[str], str]:
     """queue -> the Redis list `channel` pushes a message of the default priority to that
     queue on (`_put`: `_q_for_pri` of `_get_message_priority`)."""
-    priority = channel._get_message_priority({"properties": {"priority": 0}}, reverse=False)
+    message = {"properties": {"priority": channel.default_priority}}
+    priority = channel._get_message_priority(message, reverse=False)
     list_for: Callable[[str, int], str] = channel._q_for_pri
     return lambda queue: list_for(queue, priority)
 
