@@ -14,7 +14,6 @@ from typing import Any
 
 from kombu.messaging import Consumer
 
-from ..compat.wire import decoded_json
 from ..core.messages import check_key
 from ..errors import InvalidMessage
 from ..queues import MAX_BODY_BYTES, holder_queue_declaration
@@ -199,7 +198,7 @@ class HolderConsumer(threading.Thread):
                          f"message of {size} bytes exceeds {MAX_BODY_BYTES}")
             return None
         try:
-            body = decoded_json(message)
+            body = message.decode()
         except Exception as exc:
             self._reject(reply_to, correlation_id, "invalid_message",
                          f"not a JSON message: {type(exc).__name__}")
