@@ -47,15 +47,6 @@ MIN_ADJUST = 0.25
 MAX_EXTRA = 60.0
 """Seconds the extra may reach, so it shrinks back in bounded time (a period longer than
 8 x 7.5 s is stretched less than MAX_STRETCH times)."""
-SUSTAIN = 0.5
-"""Seconds lag must stay past its target before the periods stretch: a busy machine
-delays a holder now and then, and a stretch outlives it by many periods."""
-REMEMBER = 30.0
-"""Seconds after the last stretch in which lag past its target stretches at once: a
-holder that was overloaded a moment ago is likely to be again."""
-CALM = 2.0
-"""Seconds without lag past its target that end such a spell (the shard-queue look
-comes once per BACKLOG_EVERY, so looks between its reports may see none)."""
 LOG_EVERY = 30.0
 
 
@@ -89,10 +80,6 @@ class Pressure:
         self._peak = 0.0
         self._last_peak = 0.0
         self._next_adjust: float | None = None
-        self._over_since: float | None = None
-        self._last_over = 0.0
-        self._last_stretch = float("-inf")
-        self._sustained = False
         self._next_log = 0.0
         self._warned = False
 
@@ -106,10 +93,10 @@ class Pressure:
 
     @property
     def behind(self) -> bool:
-        """Requests waited past the target lag for SUSTAIN lately, or periods are
-        stretched: no reply tells its client to ask again before a (stretched) period."""
-        return self.extra > 0.0 or (self._sustained and max(
-            self._peak, self._last_peak) > _target(self._shortest_period()))
+        """Requests waited past the target lag lately, or periods are stretched: no
+        reply tells its client to ask again before a (stretched) period."""
+        return self.extra > 0.0 or max(self._peak, self._last_peak) > _target(
+            self._shortest_period())
 
     def waited(self, seconds: float) -> None:
         """Requests waited `seconds` where the lag of due work cannot see them: in a
@@ -127,36 +114,26 @@ class Pressure:
         if self._next_adjust is None:
             self._next_adjust = now + MIN_ADJUST
         elif now >= self._next_adjust:
-            self._next_adjust = now + self._adjust(now, shortest)
+            self._next_adjust = now + self._adjust(shortest)
         self.lag = max(self._peak, self._last_peak)
         overloaded = self.extra > 0.0 or self.lag > OVERLOAD_LAG
         self._log(now, overloaded)
         self.overloaded = overloaded
 
-    def _adjust(self, now: float, shortest: float) -> float:
+    def _adjust(self, shortest: float) -> float:
         """Change the extra by the lag seen since the last change; returns how long
         until the next one."""
         target = _target(shortest)
         peak, self._peak = self._peak, 0.0
         growing = peak >= self._last_peak
         self._last_peak = peak
-        if peak > target:
-            if self._over_since is None or now - self._last_over > CALM:
-                self._over_since = now
-            self._last_over = now
-        if self.extra > 0.0:
-            self._last_stretch = now
-        self._sustained = peak > target and (
-            now - self._last_stretch < REMEMBER or now - (self._over_since or now) >= SUSTAIN)
-        if self._sustained and growing:
+        if peak > target and growing:
             # The excess lag moves into the periods: clients then spend it away from
             # the holder. Too much is the safe side (they ask a little less often),
             # so it grows at each look while the lag does: a request already parked
             # waits for the period its reply told plus the lag.
             self.extra = min(MAX_EXTRA, self.extra + peak - target)
             return MIN_ADJUST
-        if peak > target:
-            return MIN_ADJUST  # not yet sustained: look again soon
         if peak < target / 2 and self.extra > 0.0:
             self.extra *= SHRINK
             if self.extra < max(0.05 * shortest, MIN_TARGET_LAG / 2):

@@ -113,19 +113,3 @@ def test_an_overload_that_comes_and_goes_is_logged_once_per_log_every(
             pressure._log(now + 1.0, overloaded=False)
     assert caplog.text.count("durability holder: overloaded") == 2  # at 0 and 30 s
     assert caplog.text.count("no longer overloaded") == 2  # after each warning
-
-
-def test_a_lag_shorter_than_sustain_stretches_nothing() -> None:
-    # A busy machine delays a calm holder now and then: a blocked client must still be
-    # told to ask at once (its request waits for the prompt round capacity runs).
-    pressure = Pressure(lambda: PERIOD)
-    now = behind(pressure, 0.0, 5.0, lag=0.0)
-    now = behind(pressure, now, pressure_module.SUSTAIN - 0.2, lag=1.5)
-    behind(pressure, now, 0.3, lag=0.0)
-    answer = reply(10.0, blocked=True)
-    pressure.stretch_reply(answer, PERIOD)
-    assert (pressure.extra, answer["next_request_at"]) == (0.0, 10.0)
-    now = behind(pressure, 0.0 + 100.0, pressure_module.SUSTAIN + 0.5, lag=1.5)
-    assert pressure.extra > 0.0
-    pressure.stretch_reply(answer, PERIOD)
-    assert answer["next_request_at"] == 10.0 + pressure.period(PERIOD)
