@@ -133,11 +133,13 @@ def test_flood_of_bad_messages_while_real_work_runs(
     frozen_ids = cluster.publish(3, key="frozen", work=12.0)
 
     def frozen_claimed() -> bool:
-        # Settled: all three reported running, and no grant left unclaimed (one
-        # would be reclaimed at its deadline during the flood: a legitimate change).
+        # Settled: all three reported running, and no grant or lease left unused (its
+        # owner hands it back during the flood, or the holder reclaims it at its
+        # deadline: both legitimate changes).
         state = cluster.semaphore.state("frozen")
         return (sum(g.claimed for g in state.grants) + sum(x.drawn for x in state.leases) == 3
-                and all(g.claimed == g.permits for g in state.grants))
+                and all(g.claimed == g.permits for g in state.grants)
+                and all(x.drawn > 0 for x in state.leases))
 
     cluster.wait_for("the frozen key's tasks to be reported running", frozen_claimed,
                      timeout=20, context=lambda: str(cluster.semaphore.state("frozen")))
