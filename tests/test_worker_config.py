@@ -60,18 +60,22 @@ def test_settings_from_env(tmp_path: Path) -> None:
         "DURABILITY_SHARDS": "4", "DURABILITY_QUEUE_PREFIX": "acme",
         "DURABILITY_RECLAIM_INTERVAL": "2.5", "DURABILITY_SUPPORTS_LEASES": "no",
         "DURABILITY_MAX_HELD": "none", "DURABILITY_HOLD_DEADLINE": "120",
-        "DURABILITY_SHARD_QUEUE_TYPE": "quorum",
+        "DURABILITY_SHARD_QUEUE_TYPE": "quorum", "DURABILITY_CLAIM_MARGIN": "null",
     }, cwd=tmp_path)
     s = config.settings
     assert (s.shards, s.queue_prefix, s.reclaim_interval) == (4, "acme", 2.5)
     assert s.shard_queue_arguments == {"x-queue-type": "quorum"}
     assert s.supports_leases is False and s.max_held is None and s.hold_deadline == 120.0
+    assert s.claim_margin is None
 
 
 @pytest.mark.parametrize(("env", "variable", "fragment"), [
     ({"DURABILITY_SHARDS": "many"}, "DURABILITY_SHARDS", "integer"),
     ({"DURABILITY_SHARDS": "0"}, "DURABILITY_SHARDS", "between 1 and 4096"),
     ({"DURABILITY_SUPPORTS_LEASES": "maybe"}, "DURABILITY_SUPPORTS_LEASES", "true or false"),
+    ({"DURABILITY_CLAIM_MARGIN": "soon"}, "DURABILITY_CLAIM_MARGIN",
+     "must be a number, got 'soon'"),
+    ({"DURABILITY_MAX_HELD": "4.5"}, "DURABILITY_MAX_HELD", "must be an integer, got '4.5'"),
     ({"DURABILITY_QUEUE_PREFIX": "a b"}, "DURABILITY_QUEUE_PREFIX", "queue_prefix"),
     ({"DURABILITY_SHARD_QUEUE_TYPE": "stream"}, "DURABILITY_SHARD_QUEUE_TYPE",
      "'classic' or 'quorum', got 'stream'"),

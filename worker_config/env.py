@@ -10,7 +10,10 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import NoneType
+from typing import Any, get_args, get_type_hints
+
+from pydantic import TypeAdapter, ValidationError
 
 from durability_celery.core.config import Leases, Over, Strict, Under
 from durability_celery.errors import ConfigurationError
@@ -29,6 +32,7 @@ _SEMAPHORE_FIELDS = {
     "leases", "can_grant", "handoff_window",
 }
 _TIMING = ("grant_timeout", "round_wait", "round_period", "handoff_window")
+_KINDS: dict[object, str] = {int: "an integer", float: "a number", bool: "true or false"}
 
 
 class EnvError(ConfigurationError):
@@ -165,13 +169,14 @@ def _number(env: Mapping[str, str], name: str, default: float, low: float, high:
 
 
 def _settings(env: Mapping[str, str]) -> DurabilitySettings:
+    types = get_type_hints(DurabilitySettings)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(DurabilitySettings):
         name = ENV_PREFIX + field.name.upper()
         raw = env.get(name)
         if raw is None or raw == "":
             continue
-        value: Any = _convert(name, raw, str(field.type))
+        value: Any = _convert(name, raw, types[field.name])
         try:
             DurabilitySettings(**{field.name: value})
         except ConfigurationError as exc:
@@ -180,26 +185,20 @@ def _settings(env: Mapping[str, str]) -> DurabilitySettings:
     return DurabilitySettings(**values)
 
 
-def _convert(name: str, raw: str, annotation: str) -> object:
+def _convert(name: str, raw: str, field_type: Any) -> object:
+    # pydantic parses the text by the field's type; an optional field also takes
+    # "none" or "null", which pydantic would refuse for a string.
     text = raw.strip()
-    if "None" in annotation and text.lower() in ("none", "null"):
-        return None
-    if annotation.startswith("bool"):
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise EnvError(name, f"must be true or false, got {raw!r}")
+    if NoneType in get_args(field_type):
+        if text.lower() in ("none", "null"):
+            return None
+        field_type = next(t for t in get_args(field_type) if t is not NoneType)
     try:
-        if annotation.startswith("int"):
-            return int(text)
-        if annotation.startswith("float"):
-            return float(text)
-    except ValueError:
-        kind = "an integer" if annotation.startswith("int") else "a number"
-        raise EnvError(name, f"must be {kind}, got {raw!r}") from None
-    return text
+        return TypeAdapter(field_type).validate_python(text)
+    except ValidationError as exc:
+        kind = _KINDS.get(field_type)
+        problem = f"must be {kind}" if kind else exc.errors()[0]["msg"]
+        raise EnvError(name, f"{problem}, got {raw!r}") from None
 
 
 # --------------------------------------------------------------------------
