@@ -2,7 +2,7 @@
 # starts the rounds the Batcher says are due, many keys' rounds of one
 # semaphore in one batch (one transaction: `run_rounds`), and each reclaim, on
 # a thread pool, and publishes the answers. Rules: SQL runs only on the pool
-# threads; replies are published only after `run_rounds` returned (its
+# threads (jobs.py); replies are published only after `run_rounds` returned (its
 # transaction committed), and only from this thread, which owns the reply
 # connection. Due rounds are taken only when a round thread is free, so under
 # load they gather into larger batches instead of queueing one by one; past
@@ -20,18 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..queues import error_reply
-from .batching import Batcher, KeyId, Reclaim, Round, Waiting
-from .outcomes import (
-    blocked_by,
-    claim_deadlines,
-    log_failure,
-    responses_of,
-    round_at_of,
-    shed_back,
-)
+from .batching import Batcher, KeyId, Round, Waiting
+from .jobs import BatchDone, ReclaimDone, ScanDone, run_batch, run_reclaim, scan
+from .outcomes import blocked_by, claim_deadlines, round_at_of
 from .pressure import Pressure
 from .replies import ReplyPublisher
-from .shedding import answered_by
 
 if TYPE_CHECKING:
     from ..metrics import HolderMetrics
@@ -78,30 +71,8 @@ class _ErrorAnswer:
 
 
 @dataclass(frozen=True)
-class _BatchDone:
-    rounds: tuple[tuple[Round, list[dict[str, Any]] | None], ...]
-    """Each round with its responses; None: that round failed, nothing of it committed."""
-    shed: int = 0
-    """Requests answered with a newer one's response (shedding.answered_by)."""
-    took: float = 0.0
-    """Seconds the batch ran: its requests' replies waited that long for it."""
-
-
-@dataclass(frozen=True)
-class _ReclaimDone:
-    key_id: KeyId
-    deadline: float | None
-    failed: bool
-
-
-@dataclass(frozen=True)
 class _Queued:
     seconds: float
-
-
-@dataclass(frozen=True)
-class _ScanDone:
-    deadlines: list[tuple[KeyId, float]]
 
 
 _STOP = object()
@@ -219,14 +190,14 @@ class Dispatcher(threading.Thread):
                 self._incoming(key_id, request)
         elif isinstance(event, _Incoming):
             self._incoming(event.key_id, event.request)
-        elif isinstance(event, _BatchDone):
+        elif isinstance(event, BatchDone):
             self._running -= 1
             self._jobs -= 1
             self.pressure.shed += event.shed
             self.pressure.waited(event.took)
             for job, responses in event.rounds:
                 self._round_done(job, responses)
-        elif isinstance(event, _ReclaimDone):
+        elif isinstance(event, ReclaimDone):
             self._running -= 1
             self._jobs -= 1
             self._batcher.finished(event.key_id)
@@ -235,7 +206,7 @@ class Dispatcher(threading.Thread):
             self._batcher.replace_alarm(event.key_id, deadline, now=now)
             if not event.failed:
                 self._batcher.freed(event.key_id, now)
-        elif isinstance(event, _ScanDone):
+        elif isinstance(event, ScanDone):
             self._running -= 1
             for key_id, deadline in event.deadlines:
                 self._batcher.set_alarm(key_id, deadline)
@@ -290,15 +261,15 @@ class Dispatcher(threading.Thread):
                 if isinstance(job, Round):
                     rounds.setdefault(job.key_id[0], []).append(job)
                 else:
-                    self._submit(self._run_reclaim, job)
+                    self._submit(run_reclaim, job)
             for jobs in rounds.values():
                 for start in range(0, len(jobs), MAX_BATCH):
-                    self._submit(self._run_batch, jobs[start:start + MAX_BATCH])
+                    self._submit(run_batch, jobs[start:start + MAX_BATCH])
         self._check_overload(now)
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval
             self._running += 1
-            self._track(self._pool.submit(self._scan))
+            self._track(self._pool.submit(self._report, scan, self._semaphores, self._serves))
 
     def _check_overload(self, now: float) -> None:
         wake = self._batcher.next_wake()  # may be stale, never later than the first due job
@@ -308,10 +279,14 @@ class Dispatcher(threading.Thread):
         if self._metrics is not None:
             self._metrics.load(pressure.lag, pressure.waiting, pressure.overloaded)
 
-    def _submit(self, run: Callable[[Any], None], job: object) -> None:
+    def _submit(self, run: Callable[[dict[str, Any], Any], object], job: object) -> None:
         self._running += 1
         self._jobs += 1
-        self._track(self._pool.submit(run, job))
+        self._track(self._pool.submit(self._report, run, self._semaphores, job))
+
+    def _report(self, run: Callable[..., object], *args: Any) -> None:
+        # On a round thread: the job's event goes to this dispatcher's thread.
+        self._inbox.put(run(*args))
 
     def _track(self, future: Future[None]) -> None:
         # A job cancelled at shutdown never reports back: count it as done.
@@ -336,8 +311,6 @@ class Dispatcher(threading.Thread):
                 self._handle(event)
         self._publisher.close()
 
-    # --- pool threads: the only place SQL runs ------------------------------
-
     def _timing(self, semaphore: str) -> tuple[float, float]:
         config = self._semaphores[semaphore].config
         return float(config.round_wait), float(config.round_period)
@@ -345,61 +318,3 @@ class Dispatcher(threading.Thread):
     def _shortest_period(self) -> float:
         return min((float(s.config.round_period) for s in self._semaphores.values()),
                    default=1.0)
-
-    def _run_batch(self, jobs: list[Round]) -> None:
-        started = time.monotonic()
-        semaphore = jobs[0].key_id[0]
-        answers = self._shed(semaphore, jobs)
-        try:
-            batch = [(job.key_id[1], [r.body for r, a in zip(job.requests, mine, strict=True)
-                                      if a is None])
-                     for job, mine in zip(jobs, answers, strict=True)]
-            results = self._semaphores[semaphore].run_rounds(batch)
-            if len(results) != len(jobs):
-                raise RuntimeError(f"run_rounds returned {len(results)} results "
-                                   f"for {len(jobs)} keys")
-        except Exception as exc:  # the whole batch: nothing of it committed
-            what = "round" if len(jobs) == 1 else f"round batch of {len(jobs)} keys"
-            log_failure(what, jobs[0].key_id, exc)
-            results = [None] * len(jobs)
-        try:
-            done = tuple((job, responses_of(job, shed_back(result, mine)))
-                         for job, result, mine in zip(jobs, results, answers, strict=True))
-        except Exception:  # a bug must not leave these keys busy and this thread counted
-            logger.exception("durability holder: answering a round batch failed")
-            done = tuple((job, None) for job in jobs)
-        shed = sum(1 for mine in answers for a in mine if a is not None)
-        self._inbox.put(_BatchDone(done, shed, time.monotonic() - started))
-
-    @staticmethod
-    def _shed(semaphore: str, jobs: list[Round]) -> list[list[int | None]]:
-        """Per round, which requests superseded ones are answered by (shedding.py)."""
-        try:
-            return [answered_by([r.body for r in job.requests], semaphore=semaphore,
-                                key=job.key_id[1]) for job in jobs]
-        except Exception:  # a bug here must not cost the batch: nothing is shed
-            logger.exception("durability holder: shedding superseded requests failed")
-            return [[None] * len(job.requests) for job in jobs]
-
-    def _run_reclaim(self, job: Reclaim) -> None:
-        semaphore, key = job.key_id
-        try:
-            deadline = self._semaphores[semaphore].reclaim(key)
-        except Exception as exc:
-            log_failure("reclaim", job.key_id, exc)
-            self._inbox.put(_ReclaimDone(job.key_id, None, failed=True))
-            return
-        self._inbox.put(_ReclaimDone(job.key_id, deadline, failed=False))
-
-    def _scan(self) -> None:
-        found: list[tuple[KeyId, float]] = []
-        for name, semaphore in self._semaphores.items():
-            try:
-                # Every pending deadline, not only the due ones: a restarted
-                # holder must follow deadlines set by the one before it.
-                for key, deadline in semaphore.deadlines():
-                    if self._serves(name, key):
-                        found.append(((name, key), float(deadline)))
-            except Exception as exc:
-                log_failure("deadline scan", (name, "*"), exc)
-        self._inbox.put(_ScanDone(found))
