@@ -17,6 +17,8 @@ from .state import Grant, Lease
 
 Pair = tuple[str, str | None]
 """(client_id, group)"""
+_Run = tuple[float, int, int, Iterator[tuple[float, int]]]
+"""A heap entry of _grant: (enqueued_at, index in the ordered demands, items, its later runs)."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,25 @@ def _grant(
     A demand that lists no enqueue times is one run at its oldest_at, which is
     the spec's whole-demand order. Once a demand is cut short, its younger
     items wait too: oldest first within a (client, group) as across them."""
+    left, runs = _first_runs(ordered, result, limits)
+    _give_oldest_first(ordered, runs, left, room, result, limits=limits, leases=config.leases)
+    for d in ordered:
+        give = d.entry.count - left[d.pair]
+        if give > 0:
+            result.grants.append(
+                Grant(new_id(), d.client_id, d.entry.group, give, 0, 0, now,
+                      now + config.grant_timeout)
+            )
+    return left
+
+
+def _first_runs(
+    ordered: list[Demand], result: Allocation, limits: ResolvedLimits
+) -> tuple[dict[Pair, int], list[_Run]]:
+    """Each demand's count still to give, and a heap of the first run of every demand
+    that may be granted; a refused demand is recorded unmet with its reason."""
     left: dict[Pair, int] = {}
-    runs: list[tuple[float, int, int, Iterator[tuple[float, int]]]] = []
+    runs: list[_Run] = []
     for index, d in enumerate(ordered):
         count = left[d.pair] = d.entry.count
         refusal = _refusal(limits, d)
@@ -167,11 +186,26 @@ def _grant(
         at, items = next(rest)
         runs.append((at, index, items, rest))
     heapq.heapify(runs)
+    return left, runs
+
+
+def _give_oldest_first(
+    ordered: list[Demand],
+    runs: list[_Run],
+    left: dict[Pair, int],
+    room: _Room,
+    result: Allocation,
+    *,
+    limits: ResolvedLimits,
+    leases: Leases | None,
+) -> None:
+    """Takes runs oldest first, each given what the room and its group's ceiling
+    allow; a demand cut short is recorded unmet and its later runs stay out."""
     while runs:
         _, index, items, rest = heapq.heappop(runs)
         d = ordered[index]
         group = d.entry.group
-        pool = room.for_grants(config.leases)
+        pool = room.for_grants(leases)
         group_room = room.for_group(limits.group_limit(group), group)
         give = min(items, pool) if group_room is None else min(items, pool, group_room)
         room.grants_out += give
@@ -184,14 +218,6 @@ def _grant(
         following = next(rest, None)
         if following is not None:
             heapq.heappush(runs, (following[0], index, following[1], rest))
-    for d in ordered:
-        give = d.entry.count - left[d.pair]
-        if give > 0:
-            result.grants.append(
-                Grant(new_id(), d.client_id, d.entry.group, give, 0, 0, now,
-                      now + config.grant_timeout)
-            )
-    return left
 
 
 def _lease_candidates(
