@@ -38,8 +38,8 @@ class DurabilitySettings:
     (a claim counts only once a report of it reaches the holder before the deadline)."""
     max_held: int | None = None
     """Task messages one worker holds waiting for permits; None: 8 x pool size. While
-    every pool slot is taken, a worker holds at most half of it (worker/gate.py
-    Gate._may_raise, worker/step.py HELD_PER_SLOT)."""
+    every pool slot is taken, a worker holds at most one per slot (and half of it)
+    (worker/gate/hold.py Hold._may_raise, worker/step.py HELD_PER_SLOT)."""
     hold_deadline: float | None = None
     """Hand a held message back to the broker after this long; None: derived from the broker."""
     reply_expires: float = 300.0

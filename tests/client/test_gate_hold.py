@@ -1,10 +1,10 @@
-# How many held messages raise the worker's prefetch. Rule under test: up to half
-# of max_held while every pool slot is taken, so a busy worker leaves work to
-# others; up to all of it while a pool slot is free that no held task can take,
-# also for messages held before the slot freed, so that the broker keeps sending
-# (tasks whose keys have a permit at hand are not stuck behind held ones). Every
-# raise is lowered once, whichever way its message leaves the hold. Pure: fake
-# hooks and requests.
+# How many held messages raise the worker's prefetch. Rule under test: up to one
+# per pool slot (and half of max_held) while every pool slot is taken, so a busy
+# worker leaves work to others; up to all of max_held while a pool slot is free
+# that no held task can take, also for messages held before the slot freed, so
+# that the broker keeps sending (tasks whose keys have a permit at hand are not
+# stuck behind held ones). Every raise is lowered once, whichever way its message
+# leaves the hold. Pure: fake hooks and requests.
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -21,13 +21,14 @@ pytestmark = pytest.mark.timeout(30)
 POOL, MAX_HELD = 4, 8
 
 
-def gate_without_permits(*, busy: int) -> tuple[Gate, Loop, FakeClock]:
+def gate_without_permits(*, busy: int, max_held: int = MAX_HELD
+                         ) -> tuple[Gate, Loop, FakeClock]:
     clock = FakeClock()
     loop = Loop(POOL)
     loop.busy = busy
     client = make_client(clock, handoff_window=60.0, handoff_linger=1.0)
     client.capacity = POOL
-    return Gate({SEM: client}, loop.hooks(), max_held=MAX_HELD, hold_deadline=600.0,
+    return Gate({SEM: client}, loop.hooks(), max_held=max_held, hold_deadline=600.0,
                 clock=clock), loop, clock
 
 
@@ -39,10 +40,17 @@ def hold(gate: Gate, count: int) -> list[FakeRequest]:
 
 
 def test_a_busy_pool_raises_prefetch_for_half_of_max_held() -> None:
-    gate, loop, _ = gate_without_permits(busy=POOL)
+    gate, loop, _ = gate_without_permits(busy=POOL, max_held=6)
     hold(gate, 10)
     assert len(gate.state.held) == 10 and loop.started == []
-    assert loop.qos == gate.state.raised == MAX_HELD // 2
+    assert loop.qos == gate.state.raised == 3
+
+
+def test_a_busy_pool_raises_prefetch_for_one_message_per_slot_at_most() -> None:
+    gate, loop, _ = gate_without_permits(busy=POOL, max_held=8 * POOL)
+    hold(gate, 10)
+    assert len(gate.state.held) == 10 and loop.started == []
+    assert loop.qos == gate.state.raised == POOL
 
 
 def test_a_pool_with_a_free_slot_raises_prefetch_up_to_max_held() -> None:

@@ -30,9 +30,10 @@ class Hold:
         def settle_ended(self) -> None: raise NotImplementedError
 
     def _may_raise(self, free: int) -> bool:
-        """Whether one more held message may raise prefetch: up to half of max_held while
-        the pool is busy, so a busy worker leaves work to others; up to all of it while a
-        pool slot is free that no held task can take. Without the second half, messages
+        """Whether one more held message may raise prefetch: up to one per pool slot (and
+        half of max_held) while the pool is busy, so a busy worker leaves work in the
+        broker for a worker with a free slot; up to all of max_held while a pool slot is
+        free that no held task can take. Without the second half, messages
         of keys waiting for a round would fill the prefetch window while the pool idled,
         and tasks whose keys had a permit at hand would wait in the broker behind them."""
         raised = self.state.raised
@@ -41,7 +42,9 @@ class Hold:
         return raised < self.max_held and free > 0
 
     def _busy_limit(self) -> int:
-        return (self.max_held + 1) // 2
+        # Held while every slot is taken, a message waits for this worker's next free
+        # slot even when its key has permits and another worker has a slot free.
+        return min((self.max_held + 1) // 2, self.hooks.pool_size())
 
     def _raise_for_idle_pool(self) -> None:
         """A message held while the hold was at its limit raised no prefetch, and takes
