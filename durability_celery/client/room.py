@@ -45,6 +45,9 @@ class Room:
         self._permits = permits
         self._quiet = quiet
         self._clock = clock
+        self.crowded_out: dict[str, int] = {}
+        """Per key, grant permits given back while its items were queued here, for lack
+        of room (not of demand): since the last look (SemaphoreClient.crowded_out)."""
 
     def of(self, key: str) -> int | None:
         """How many more items of `key` the pool has room for: its free slots (shared by
@@ -103,7 +106,8 @@ class Room:
         margin = self._settings.claim_margin
         room = self.of(key)
         left = math.inf if room is None else max(0, room)
-        # Permits older than SOON_FREE_WAIT are kept only for slots free now.
+        # Permits older than SOON_FREE_WAIT are kept only for slots free now, and so is
+        # every permit of a contended key: others wait for it, maybe with a slot free.
         free_slots = self._settings.free_slots
         left_free = (left if room is None or free_slots is None
                      else min(left, max(0, free_slots())))
@@ -114,7 +118,7 @@ class Room:
             want = min(spare, wanted.get(grant.group, 0))
             keep = 0
             if grant.claim_deadline - margin - now >= KEEP_AT_LEAST:
-                aged = now - grant.received_at >= SOON_FREE_WAIT
+                aged = ledger.contended or now - grant.received_at >= SOON_FREE_WAIT
                 keep = int(min(want, left_free if aged else left))
                 if aged and keep < min(want, left):
                     self._permits.not_soon.add(key)
@@ -123,6 +127,8 @@ class Room:
                 left -= keep
                 left_free = max(0, left_free - keep)
                 kept_any = True
+            if want > keep:
+                self.crowded_out[key] = self.crowded_out.get(key, 0) + want - keep
             if spare > keep:
                 # Claimed and released at once: cumulative marks, so it is freed once.
                 grant.claim(spare - keep)
