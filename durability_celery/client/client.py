@@ -195,19 +195,6 @@ class SemaphoreClient:
         # Every pump asks every semaphore's client: most have nothing to look at.
         return bool(self._permits.unused) and self._room.return_unused()
 
-    def crowded_out(self) -> dict[str, int]:
-        """Per key, how many grant permits went back since the last call while its items
-        were queued here and the pool had no room for them (return_unused): others may
-        run those items, if they had them."""
-        crowded, self._room.crowded_out = self._room.crowded_out, {}
-        return crowded
-
-    def youngest_queued(self, key: str, count: int) -> list[str]:
-        """The ids of `key`'s `count` youngest queued items, across its groups."""
-        groups = self._queue.by_key.get(key, {})
-        youngest = sorted((order for queue in groups.values() for order in queue), reverse=True)
-        return [item for _, _, item in youngest[:max(0, count)]]
-
     def room_changed(self) -> None:
         """Pool slots came free, or running items changed: keys with queued items may ask
         again (see Room.of)."""
