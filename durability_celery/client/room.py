@@ -103,8 +103,7 @@ class Room:
         margin = self._settings.claim_margin
         room = self.of(key)
         left = math.inf if room is None else max(0, room)
-        # Permits older than SOON_FREE_WAIT are kept only for slots free now, and so is
-        # every permit of a contended key: others wait for it, maybe with a slot free.
+        # Permits older than SOON_FREE_WAIT are kept only for slots free now.
         free_slots = self._settings.free_slots
         left_free = (left if room is None or free_slots is None
                      else min(left, max(0, free_slots())))
@@ -115,7 +114,7 @@ class Room:
             want = min(spare, wanted.get(grant.group, 0))
             keep = 0
             if grant.claim_deadline - margin - now >= KEEP_AT_LEAST:
-                aged = ledger.contended or now - grant.received_at >= SOON_FREE_WAIT
+                aged = now - grant.received_at >= SOON_FREE_WAIT
                 keep = int(min(want, left_free if aged else left))
                 if aged and keep < min(want, left):
                     self._permits.not_soon.add(key)

@@ -188,18 +188,3 @@ def test_a_held_request_no_permit_covers_wakes_a_collecting_pump() -> None:
     assert loop.take_wakes() == [True] and len(gate.state.held) == 1
     (message,) = gate.pump()
     assert message.key == "acct-2"
-
-
-def test_a_contended_keys_permit_is_not_kept_for_a_slot_that_is_not_free_yet() -> None:
-    # Others wait for acct-2 (the round was contended), maybe on a worker with a free
-    # slot: the permit goes back at once, not after SOON_FREE_WAIT.
-    gate, _, _ = leased_gate(pool=1)
-    clock = gate.clock
-    gate.submit(FakeRequest(key="acct-2"))
-    (message,) = gate.pump()
-    assert gate.on_reply(message.correlation_id, reply(
-        clock.now, key="acct-2", grants=[grant("G1", claim_deadline=clock.now + 30.0)],
-        contended=True))
-    (given_back,) = gate.pump()
-    assert grant_reports(given_back.body) == {"G1": (1, 1)} and demand(given_back.body) == {}
-    assert len(gate.state.held) == 1
