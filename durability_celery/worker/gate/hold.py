@@ -33,9 +33,9 @@ class Hold:
         """Whether one more held message may raise prefetch: up to one per pool slot (and
         half of max_held) while the pool is busy, so a busy worker leaves work in the
         broker for a worker with a free slot; up to all of max_held while a pool slot is
-        free that no held task can take. Without the second half, messages
-        of keys waiting for a round would fill the prefetch window while the pool idled,
-        and tasks whose keys had a permit at hand would wait in the broker behind them."""
+        free that no held task can take. Without the second half, messages of keys
+        waiting for a round would fill the prefetch window while the pool idled, and
+        tasks whose keys had a permit at hand would wait in the broker behind them."""
         raised = self.state.raised
         if raised < self._busy_limit():
             return True
