@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from kombu import Connection, Producer
+from kombu import Connection, Producer, Queue
 from kombu.transport import filesystem
 
 from durability_celery import compat
 from durability_celery.app import Durability
-from durability_celery.compat import broker
+from durability_celery.compat import broker, redis_qos
 from durability_celery.errors import ConfigurationError
 from tests.support import redis_db_url
 
@@ -97,6 +97,72 @@ def test_redis_lists_are_the_ones_kombu_pushes_to_in_its_brpop_order() -> None:
         assert lists[:2] == [("dc.a", "dc.a"), ("dc.b", "dc.b")]  # priority 0: the name
         for priority in (0, 9):  # kombu files a message under its priority's list
             assert channel._q_for_pri("dc.a", priority) in {name for name, _ in lists}
+
+
+def _first_delivered(connection: Connection, queue: Queue) -> Any:
+    got: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda _, message: got.append(message)],
+                             prefetch_count=1):
+        while not got:
+            connection.drain_events(timeout=5)
+    return got[0]
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_requeued_redis_message_is_delivered_next_only_when_put_first(first: bool) -> None:
+    # kombu's own reject(requeue=True) puts it behind what was published since.
+    queue = Queue("dc.requeue-first", routing_key="dc.requeue-first")
+    with Connection(redis_db_url(0)) as connection:
+        queue(connection.default_channel).purge()
+        producer = Producer(connection.default_channel)
+        for body in "abc":
+            producer.publish(body, routing_key=queue.routing_key, declare=[queue])
+        message = _first_delivered(connection, queue)
+        assert message.payload == "a"
+        if first:
+            assert redis_qos.requeue_first(message) is True
+            assert message.acknowledged, "settled on its channel, as a reject would be"
+        else:
+            message.reject(requeue=True)
+        bodies = []
+        for _ in range(3):
+            again = _first_delivered(connection, queue)
+            again.ack()
+            bodies.append(again.payload)
+        assert bodies == (["a", "b", "c"] if first else ["b", "c", "a"])
+        assert queue(connection.default_channel).purge() == 0, "delivered once each"
+
+
+def test_a_message_put_first_and_taken_at_once_by_another_worker_is_its_alone() -> None:
+    # The delivery tag travels with the payload: the other worker's unacked record has
+    # the same tag, and a reject on the first channel after the restore would restore
+    # that record too, delivering the message twice.
+    queue = Queue("dc.requeue-first", routing_key="dc.requeue-first")
+    with Connection(redis_db_url(0)) as first, Connection(redis_db_url(0)) as second:
+        queue(first.default_channel).purge()
+        Producer(first.default_channel).publish("a", routing_key=queue.routing_key,
+                                                declare=[queue])
+        message = _first_delivered(first, queue)
+        assert redis_qos.requeue_first(message)
+        taken = _first_delivered(second, queue)
+        assert taken.delivery_tag == message.delivery_tag
+        unacked, _ = redis_qos.unacked_keys(second.default_channel) or ("", "")
+        records = second.default_channel.client.hkeys(unacked)
+        assert [bytes(tag).decode() for tag in records] == [taken.delivery_tag]
+        first.default_channel.qos.restore_unacked_once()  # the first worker stops
+        taken.ack()
+        assert queue(second.default_channel).purge() == 0, "delivered once"
+
+
+def test_requeue_first_leaves_other_transports_to_their_broker(tmp_path: Path) -> None:
+    queue = Queue("dc.requeue-first", routing_key="dc.requeue-first")
+    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path)}
+    with Connection("filesystem://", transport_options=options) as connection:
+        Producer(connection.default_channel).publish("a", routing_key=queue.routing_key,
+                                                     declare=[queue])
+        message = _first_delivered(connection, queue)
+        assert redis_qos.requeue_first(message) is False
+        message.ack()
 
 
 # filesystem _exchange_file (kombu PR #2645) and the temporary name (kombu #2646/#2647)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from kombu.transport.virtual import QoS as VirtualQoS
+
 
 def _virtual_qos(channel: Any) -> Any:
     qos = getattr(channel, "qos", None) if channel is not None else None
@@ -95,6 +97,27 @@ def message_restorer(channel: Any) -> Callable[..., None] | None:
     return getattr(channel, "_do_restore_message", None)
 
 
+# kombu's Redis QoS.reject(requeue=True) pushes the message where new ones go
+# (restore_by_tag(leftmost=True)), behind every message published since; its
+# consumers pop from the other end (BRPOP), where its restore of unacked records
+# puts them back (leftmost=False). The restore and the drop of the unacked record
+# are one transaction; the delivery tag travels with the payload, so nothing may
+# touch the record by that tag afterwards: another worker may own it by then.
+def requeue_first(message: Any) -> bool:
+    """Put a delivered, unacked Redis `message` back at the front of its queue, to be
+    the next one delivered, and settle it on its channel as kombu's reject does (the
+    message then reads REQUEUED). False (nothing done) on another transport: AMQP
+    brokers requeue a rejected message at its place."""
+    qos = _redis_qos(getattr(message, "channel", None))
+    if qos is None:
+        return False
+    qos.restore_by_tag(message.delivery_tag, leftmost=False)
+    # The channel's own bookkeeping only: the record by this tag is no longer ours.
+    VirtualQoS.ack(qos, message.delivery_tag)  # type: ignore[no-untyped-call]
+    message._state = "REQUEUED"
+    return True
+
+
 def raw_payload(message: Any) -> Any:
     """The payload a virtual transport's message was popped as (kombu's Message._raw):
     what its restore would push back."""
@@ -106,5 +129,5 @@ def redis_client(channel: Any) -> AbstractContextManager[Any]:
     return channel.conn_or_acquire()  # type: ignore[no-any-return]
 
 
-__all__ = ["message_restorer", "raw_payload", "redis_client", "restore_unacked_once_only",
-           "still_delivered", "unacked_keys", "watch_unacked_append"]
+__all__ = ["message_restorer", "raw_payload", "redis_client", "requeue_first",
+           "restore_unacked_once_only", "still_delivered", "unacked_keys", "watch_unacked_append"]

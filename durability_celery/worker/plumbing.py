@@ -8,6 +8,7 @@ import logging
 from operator import attrgetter
 from typing import Any
 
+from ..compat import redis_qos
 from ..compat import worker as celery_worker
 from ..errors import DurabilityError
 from .gate import Requests
@@ -34,7 +35,19 @@ def drop(request: Any) -> None:
 
 
 def hand_back(request: Any) -> bool:
-    request.reject(requeue=True)
+    # First in line again: it is older than what the broker still holds, and a worker
+    # with a free slot should take it next.
+    try:
+        first = not request.acknowledged and redis_qos.requeue_first(request.message)
+    except Exception:  # not restored: the reject below puts it back, behind the rest
+        logger.warning("durability: could not put task %s back first in its queue",
+                       request.id, exc_info=True)
+        first = False
+    if first:
+        request.acknowledged = True
+        request.send_event("task-rejected", requeue=True)
+    else:
+        request.reject(requeue=True)
     celery_worker.task_ready(request)
     return celery_worker.acknowledged(request)
 
