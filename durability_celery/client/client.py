@@ -195,6 +195,12 @@ class SemaphoreClient:
         # Every pump asks every semaphore's client: most have nothing to look at.
         return bool(self._permits.unused) and self._room.return_unused()
 
+    def crowded_out(self) -> dict[str, list[str]]:
+        """Per key, its youngest queued items, one per grant permit return_unused gave
+        back since the last call for lack of room here: another worker may run them."""
+        crowded, self._room.crowded_out = self._room.crowded_out, {}
+        return {key: self._queue.youngest(key, count) for key, count in crowded.items()}
+
     def room_changed(self) -> None:
         """Pool slots came free, or running items changed: keys with queued items may ask
         again (see Room.of)."""

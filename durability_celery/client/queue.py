@@ -56,6 +56,11 @@ class ClientQueue:
             for group, queue in groups.items():
                 yield key, group, queue
 
+    def youngest(self, key: str, count: int) -> list[str]:
+        """The ids of `key`'s `count` youngest queued items, across its groups."""
+        orders = (order for queue in self.by_key.get(key, {}).values() for order in queue)
+        return [item_id for _, _, item_id in sorted(orders, reverse=True)[:max(0, count)]]
+
     def counts(self) -> dict[str, dict[str | None, int]]:
         """Queued items per key and group."""
         counts: dict[str, dict[str | None, int]] = {}

@@ -45,6 +45,9 @@ class Room:
         self._permits = permits
         self._quiet = quiet
         self._clock = clock
+        self.crowded_out: dict[str, int] = {}
+        """Per key, grant permits given back while its items were queued here, for lack
+        of room rather than of demand, since the client last read it."""
 
     def of(self, key: str) -> int | None:
         """How many more items of `key` the pool has room for: its free slots (shared by
@@ -123,6 +126,8 @@ class Room:
                 left -= keep
                 left_free = max(0, left_free - keep)
                 kept_any = True
+            if want > keep:
+                self.crowded_out[key] = self.crowded_out.get(key, 0) + want - keep
             if spare > keep:
                 # Claimed and released at once: cumulative marks, so it is freed once.
                 grant.claim(spare - keep)

@@ -148,3 +148,41 @@ def test_an_unanswered_holder_is_said_once_and_its_return_too(
     assert gate.on_reply(message.correlation_id, reply(clock.now, key="acct-0", grants=[
         grant("g", permits=1, claim_deadline=clock.now + 10)]))
     assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+def crowded_gate(held: int) -> tuple[Gate, Loop, list[FakeRequest]]:
+    """A gate holding `held` messages of one key, taken while its pool was idle, whose
+    pool then fills with work it did not admit before the holder gives the key three
+    grant permits."""
+    gate, loop, clock = gate_without_permits(busy=0, max_held=8 * POOL)
+    requests = [FakeRequest() for _ in range(held)]
+    for request in requests:
+        gate.submit(request)
+        clock.advance(0.001)
+    assert loop.qos == held
+    (message,) = gate.pump()
+    loop.busy = POOL
+    answer = reply(clock.now, grants=[grant("G1", permits=3, claim_deadline=clock.now + 10)])
+    assert gate.on_reply(message.correlation_id, answer)
+    gate.pump()
+    return gate, loop, requests
+
+
+def test_a_worker_holding_past_its_busy_limit_hands_back_what_it_has_no_room_for() -> None:
+    # Taken while a slot was free (up to max_held), then the pool filled: the key's permits
+    # go back to the holder, and as many of its youngest messages go back to the broker,
+    # down to the busy limit, where a worker with a free slot can take them.
+    gate, loop, requests = crowded_gate(held=POOL + 2)
+    assert loop.started == []
+    assert [r.rejected for r in requests] == [[]] * POOL + [[True]] * 2
+    assert [entry.request for entry in gate.state.held.values()] == requests[:POOL]
+    assert loop.qos == gate.state.raised == POOL
+    (client,) = gate.clients.values()
+    assert client.crowded_out() == {}, "each return is acted on once"
+
+
+
+def test_a_worker_within_its_busy_limit_keeps_what_it_holds() -> None:
+    gate, loop, requests = crowded_gate(held=POOL)
+    assert [r.rejected for r in requests] == [[]] * POOL
+    assert len(gate.state.held) == POOL and loop.started == []
