@@ -1,6 +1,8 @@
-# The SQL store: tables, migrations and one locked transaction per round.
-# Rule: it holds no allocation policy; the pure core decides, the store persists.
+# The stores: SQL (tables, migrations and one locked transaction per round) and,
+# for tests and embedding, memory.py (each key's state in a dict).
+# Rule: they hold no allocation policy; the pure core decides, the store persists.
 from .engine import create_engine, prepare_engine, run_transaction, transaction
+from .memory import MemorySemaphore
 from .queries import all_keys, deadlines, prune_keys, silent_clients
 from .schema import (
     SCHEMA_VERSION,
@@ -45,4 +47,6 @@ __all__ = [
     "silent_clients",
     # maintenance
     "prune_keys",
+    # in memory
+    "MemorySemaphore",
 ]

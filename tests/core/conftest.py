@@ -1,5 +1,5 @@
-# The `make_semaphore` fixture: the same rule table runs on the pure core
-# alone (memory), on SQLite and on PostgreSQL through DurabilitySemaphore.
+# The `make_semaphore` fixture: the same rule table runs on the in-memory store
+# (MemorySemaphore) and on SQLite and PostgreSQL through DurabilitySemaphore.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from core_harness import SEM, Limits, MemorySemaphore
+from core_harness import SEM, Limits
 
 from durability_celery.core.usage import Usage
 from durability_celery.semaphore import DurabilitySemaphore
+from durability_celery.store.memory import MemorySemaphore
 
 
 class StoredSemaphore:
@@ -44,7 +45,7 @@ def make_semaphore(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[M
     def make(limits: Limits | None = None, **settings: Any) -> MemorySemaphore | StoredSemaphore:
         limits = limits or Limits()
         if request.param == "memory":
-            return MemorySemaphore(limits, **settings)
+            return MemorySemaphore(SEM, limits, **settings)
         if request.param == "sqlite":
             url = f"sqlite:///{tmp_path / f'db{len(made)}.db'}"
         else:

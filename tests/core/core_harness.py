@@ -1,15 +1,10 @@
-# Helpers shared by the rule tests: message builders, a counting limit source,
-# and an in-memory stand-in for DurabilitySemaphore over the pure core, so each
-# rule runs on the core alone, on SQLite and on PostgreSQL with one table.
+# Helpers shared by the rule tests: message builders and a counting limit source,
+# so each rule runs on the in-memory store (durability_celery/store/memory.py), on
+# SQLite and on PostgreSQL with one table.
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from durability_celery.core.config import Leases, RoundConfig
-from durability_celery.core.round import KeyState, reclaim, run_round
-from durability_celery.core.usage import Usage, usage
 
 SEM = "accounts"
 KEY = "acct-42"
@@ -71,34 +66,6 @@ class Limits:
     def can_grant(self, key: str, client_id: str, group: str | None) -> bool:
         self.calls["can_grant"] += 1
         return (client_id, group) not in self.deny
-
-
-class MemorySemaphore:
-    """DurabilitySemaphore's round API over the pure core, state kept in a dict."""
-
-    def __init__(self, limits: Limits, *, grant_timeout: float = 10.0,
-                 round_period: float = 2.0, leases: Leases | None = None) -> None:
-        self.limits = limits
-        self.config = RoundConfig(SEM, grant_timeout=grant_timeout,
-                                  round_period=round_period, leases=leases)
-        self.states: dict[str, KeyState] = {}
-        self._ids = (f"id-{n}" for n in itertools.count())
-
-    def state(self, key: str = KEY) -> KeyState:
-        return self.states.get(key, KeyState(SEM, key))
-
-    def run_round(self, key: str, messages: Sequence[object], now: float) -> list[dict[str, Any]]:
-        result = run_round(self.state(key), messages, config=self.config, limits=self.limits,
-                           now=now, new_id=lambda: next(self._ids))
-        self.states[key] = result.state
-        return list(result.responses)
-
-    def reclaim(self, key: str, now: float) -> float | None:
-        self.states[key] = reclaim(self.state(key), config=self.config, now=now)
-        return self.states[key].next_claim_deadline
-
-    def usage(self, key: str, now: float) -> Usage:
-        return usage(self.state(key), config=self.config, limits=self.limits, now=now)
 
 
 def granted(response: dict[str, Any], status: str = "active") -> int:

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core_harness import KEY, Limits, MemorySemaphore, request, sync
+from core_harness import KEY, SEM, Limits, request, sync
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from durability_celery.core.config import Leases, Over, Strict, Under
+from durability_celery.store.memory import MemorySemaphore
 
 GRANT_TIMEOUT = 10.0
 CLAIM_MARGIN = 2.0
@@ -61,7 +62,7 @@ class SemaphoreModel(RuleBasedStateMachine):
         self.limits = Limits(6, groups={"w": 3})
         leases = None if self.provisioning is None else Leases(
             self.provisioning, permits_per_lease=3, ttl=30.0)
-        self.sem = MemorySemaphore(self.limits, grant_timeout=GRANT_TIMEOUT, leases=leases)
+        self.sem = MemorySemaphore(SEM, self.limits, grant_timeout=GRANT_TIMEOUT, leases=leases)
         self.now = 1_000.0
         self.clients = {c: Client() for c in CLIENTS}
         self.sent: list[dict[str, Any]] = []
@@ -69,11 +70,11 @@ class SemaphoreModel(RuleBasedStateMachine):
     # -- the wire -------------------------------------------------------------
 
     def deliver(self, message: dict[str, Any], client: str | None, *, lost_reply: bool) -> None:
-        grants_before = {g.grant_id for g in self.sem.state().grants}
-        leases_before = {le.lease_id for le in self.sem.state().leases}
+        grants_before = {g.grant_id for g in self.sem.state(KEY).grants}
+        leases_before = {le.lease_id for le in self.sem.state(KEY).leases}
         (reply,) = self.sem.run_round(KEY, [message], now=self.now)
         assert "error" not in reply, reply
-        state = self.sem.state()
+        state = self.sem.state(KEY)
         new_grants = {g.grant_id for g in state.grants} - grants_before
         # Issued ones: a report of a lease the holder does not know adopts it retired,
         # charged as reported, whatever the limit (see Ledger.apply).
@@ -194,7 +195,7 @@ class SemaphoreModel(RuleBasedStateMachine):
 
     @invariant()
     def marks_stay_within_their_clamps(self) -> None:
-        state = self.sem.state()
+        state = self.sem.state(KEY)
         for g in state.grants:
             assert 0 <= g.released <= g.claimed <= g.permits
         for le in state.leases:
@@ -202,7 +203,7 @@ class SemaphoreModel(RuleBasedStateMachine):
 
     @invariant()
     def nothing_is_freed_that_was_not_freed(self) -> None:
-        state = self.sem.state()
+        state = self.sem.state(KEY)
         for g in state.grants:
             truth = self.clients[g.client_id].grants.get(g.grant_id)
             if truth is not None:
