@@ -18,6 +18,7 @@ from kombu.messaging import Consumer
 from ..errors import InfrastructureError, RequestTimeout
 from ..queues import holder_queue_declaration, reply_queue_declaration, safe_queue_part
 from ..registry import configuration_of
+from ..roundtrip import await_replies, publish_request
 from ..routing import reply_queue
 from .client import Permit
 
@@ -90,23 +91,18 @@ class BlockingClient:
                 self._producer.channel).declare()  # type: ignore[no-untyped-call]
             self._declared.add(queue)
         self._awaiting, self._reply = correlation_id, None
-        self._producer.publish(
-            message, exchange="", routing_key=queue, reply_to=self.reply_queue,
-            correlation_id=correlation_id, serializer="json", retry=True,
-            retry_policy=PUBLISH_RETRY, expiration=max(wait, 1.0),
-        )
+        publish_request(self._producer, queue, message, reply_to=self.reply_queue,
+                        correlation_id=correlation_id, retry_policy=PUBLISH_RETRY,
+                        expiration=max(wait, 1.0))
 
     def _wait_reply(self, correlation_id: str, deadline: float) -> dict[str, Any]:
         try:
-            while self._reply is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RequestTimeout(
-                        f"no answer from the holder of {self.semaphore!r} in time")
-                # ValueError: an entry the transport took but could not parse;
-                # if it was our reply, the wait ends in RequestTimeout.
-                with contextlib.suppress(TimeoutError, ValueError):
-                    self._connection.drain_events(timeout=min(remaining, 1.0))
+            # An entry the transport could not parse is skipped: if it was our reply,
+            # the wait ends in RequestTimeout.
+            answered = await_replies(self._connection, lambda: self._reply is not None,
+                                     deadline, poll=1.0, skip_unreadable=True)
+            if not answered or self._reply is None:
+                raise RequestTimeout(f"no answer from the holder of {self.semaphore!r} in time")
             return self._reply
         finally:
             self._awaiting, self._reply = None, None

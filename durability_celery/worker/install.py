@@ -5,7 +5,6 @@
 # few lines that turn one Celery event into one call on the gate or task.
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
@@ -17,6 +16,7 @@ from kombu.messaging import Consumer, Producer
 
 from ..errors import DurabilityError
 from ..registry import Configuration
+from ..roundtrip import await_replies, publish_request
 from . import visibility  # noqa: F401  (registers the durability_held inspect command)
 from .headers import HEADER_SEMAPHORE
 from .metrics_step import MetricsStep, add_worker_options
@@ -138,13 +138,12 @@ def _report_until_settled(step: GateStep, connection: Any, deadline: float) -> N
     reply_consumer = Consumer(  # type: ignore[no-untyped-call]
         channel, queues=[step.reply_queue], callbacks=[on_reply], no_ack=True,
         accept=["json"])
+
+    def publish_due() -> None:
+        for message in gate.pump():
+            publish_request(producer, step.durability.queue_for(message.semaphore, message.key),
+                            message.body, reply_to=step.reply_queue.name,
+                            correlation_id=message.correlation_id)
+
     with reply_consumer:
-        while not gate.settled() and time.monotonic() < deadline:
-            for message in gate.pump():
-                producer.publish(
-                    message.body, exchange="",
-                    routing_key=step.durability.queue_for(message.semaphore, message.key),
-                    reply_to=step.reply_queue.name,
-                    correlation_id=message.correlation_id, serializer="json")
-            with contextlib.suppress(TimeoutError):
-                connection.drain_events(timeout=0.1)
+        await_replies(connection, gate.settled, deadline, poll=0.1, publish_due=publish_due)

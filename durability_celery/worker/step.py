@@ -24,6 +24,7 @@ from ..compat import worker as celery_worker
 from ..metrics import served_by
 from ..queues import reply_queue_declaration, safe_queue_part
 from ..registry import Configuration
+from ..roundtrip import publish_request
 from ..routing import reply_queue
 from ..semaphore import DurabilitySemaphore
 from .gate import Gate, Hooks, Outgoing, item_id
@@ -333,12 +334,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
     def _publish(self, message: Outgoing) -> None:
         try:
             producer = self.producer or self._open_producer()
-            producer.publish(
-                message.body, exchange="",
-                routing_key=self.durability.queue_for(message.semaphore, message.key),
-                reply_to=self.reply_queue.name, correlation_id=message.correlation_id,
-                serializer="json", retry=True, retry_policy=_PUBLISH_RETRY,
-            )
+            publish_request(producer, self.durability.queue_for(message.semaphore, message.key),
+                            message.body, reply_to=self.reply_queue.name,
+                            correlation_id=message.correlation_id, retry_policy=_PUBLISH_RETRY)
         except Exception as exc:
             logger.warning("durability: sending to holder of %s/%s failed (the next message "
                            "opens a new connection): %r", message.semaphore, message.key, exc)
