@@ -31,6 +31,8 @@ class FakeRequest:
         self._durability_release: Any = None
         self._durability_item = ""
         self.rejected: list[bool] = []
+        self.delivery_info: dict[str, Any] = {}
+        self.acknowledged = False
         self.message: Any = None  # kombu's message: only hand-backs read it (acknowledged)
         self.request_dict = {HEADER_SEMAPHORE: SEM, HEADER_KEY: key, HEADER_GROUP: None,
                              HEADER_ENQUEUED_AT: 1.0, "retries": 0}
@@ -40,6 +42,8 @@ class FakeRequest:
 
     def reject(self, requeue: bool = False) -> None:
         self.rejected.append(requeue)
+        self.acknowledged = True
+        self.delivery_info = {"redelivered": True}  # as the broker marks it, next time
 
     def on_success(self, result: Any, **kwargs: Any) -> None:
         # What AdmittedRequest's success hook does once the gate instrumented it.

@@ -150,13 +150,15 @@ def test_an_unanswered_holder_is_said_once_and_its_return_too(
     assert any("answers again" in r.getMessage() for r in caplog.records)
 
 
-def crowded_gate(held: int) -> tuple[Gate, Loop, list[FakeRequest]]:
+def crowded_gate(held: int, *, redelivered: bool = False
+                 ) -> tuple[Gate, Loop, list[FakeRequest]]:
     """A gate holding `held` messages of one key, taken while its pool was idle, whose
     pool then fills with work it did not admit before the holder gives the key three
     grant permits."""
     gate, loop, clock = gate_without_permits(busy=0, max_held=8 * POOL)
     requests = [FakeRequest() for _ in range(held)]
     for request in requests:
+        request.delivery_info = {"redelivered": redelivered}
         gate.submit(request)
         clock.advance(0.001)
     assert loop.qos == held
@@ -171,8 +173,9 @@ def crowded_gate(held: int) -> tuple[Gate, Loop, list[FakeRequest]]:
 def test_a_worker_holding_past_its_busy_limit_hands_back_what_it_has_no_room_for() -> None:
     # Taken while a slot was free (up to max_held), then the pool filled: the key's permits
     # go back to the holder, and as many of its youngest messages go back to the broker,
-    # down to the busy limit, where a worker with a free slot can take them.
-    gate, loop, requests = crowded_gate(held=POOL + 2)
+    # where a worker with a free slot can take them; down to the busy limit, those the
+    # broker delivered before too.
+    gate, loop, requests = crowded_gate(held=POOL + 2, redelivered=True)
     assert loop.started == []
     assert [r.rejected for r in requests] == [[]] * POOL + [[True]] * 2
     assert [entry.request for entry in gate.state.held.values()] == requests[:POOL]
@@ -181,8 +184,10 @@ def test_a_worker_holding_past_its_busy_limit_hands_back_what_it_has_no_room_for
     assert client.crowded_out() == {}, "each return is acted on once"
 
 
-
-def test_a_worker_within_its_busy_limit_keeps_what_it_holds() -> None:
-    gate, loop, requests = crowded_gate(held=POOL)
+def test_within_its_busy_limit_a_worker_hands_back_only_what_was_never_handed_back() -> None:
+    gate, loop, requests = crowded_gate(held=POOL, redelivered=True)
     assert [r.rejected for r in requests] == [[]] * POOL
     assert len(gate.state.held) == POOL and loop.started == []
+    gate, loop, requests = crowded_gate(held=POOL)
+    assert [r.rejected for r in requests] == [[]] * (POOL - 3) + [[True]] * 3, "one per permit"
+    assert len(gate.state.held) == POOL - 3 and loop.started == []

@@ -149,9 +149,11 @@ def test_a_permit_kept_for_a_slot_that_stays_busy_goes_back_and_is_not_asked_aga
 ) -> None:
     # The soon-free slot's task runs on: after SOON_FREE_WAIT the permit goes back (another
     # worker with a free slot may wait for it), and acct-2 asks again only once a slot frees.
+    # Its message was handed back once already: it stays (Hold._hand_back_crowded_out).
     gate, _, first = leased_gate(pool=1)
     clock = gate.clock
     other = FakeRequest(key="acct-2")
+    other.delivery_info = {"redelivered": True}
     gate.submit(other)
     (message,) = gate.pump()
     deadline = clock.now + 30.0

@@ -80,15 +80,21 @@ class Hold:
                 self.state.let_go.append((entry.request, now))
 
     def _hand_back_crowded_out(self) -> None:
-        """Give held messages back to the broker, first in line, while this worker holds
-        more than its busy limit and the holder gave their keys permits it had no room
-        for: taken while a slot was free, they would wait here for this pool while a
-        worker with a free slot could run them now. The youngest go; the oldest run here."""
+        """Give held messages back to the broker, first in line, when the holder gave their
+        keys permits this worker had no room for: taken while a slot was free, they would
+        wait here for this pool while a worker with a free slot could run them now. The
+        youngest go; the oldest run here. Past the busy limit any go; within it only a
+        message never delivered before: if no other worker takes it, this one takes it
+        back and keeps it, so none goes round and round."""
         for client in self.clients.values():
             for items in client.crowded_out().values():  # read every client: it clears
                 spare = len(self.state.held) - self._busy_limit()
-                for item in items[:max(0, spare)]:
-                    entry = self._unhold(item)
+                for item in items:
+                    entry = self.state.held[item]
+                    if spare <= 0 and self.hooks.requests.redelivered(entry.request):
+                        continue
+                    spare -= 1
+                    self._unhold(item)
                     logger.debug("durability: handing task %s back to the broker: no room "
                                  "for it here while its key has permits", entry.request.id)
                     if not self.hooks.requests.hand_back(entry.request):
