@@ -196,8 +196,7 @@ class SemaphoreClient:
         return bool(self._permits.unused) and self._room.return_unused()
 
     def crowded_out(self) -> dict[str, list[str]]:
-        """Per key, its youngest queued items, one per grant permit return_unused gave
-        back since the last call for lack of room here: another worker may run them."""
+        """Per key, its youngest queued items, one per permit given back for lack of room."""
         crowded, self._room.crowded_out = self._room.crowded_out, {}
         return {key: self._queue.youngest(key, count) for key, count in crowded.items()}
 
@@ -230,10 +229,9 @@ class SemaphoreClient:
     # -- talking to the holder -----------------------------------------------
 
     def due(self) -> list[str]:
-        """Keys that should send a message now (an overdue message counts as failed).
-
-        Every collecting pump asks, so a key found quiet (not due, and unchanged by time
-        alone for a while) is passed by until then or until something changes it."""
+        """Keys that should send a message now (an overdue message counts as failed). A key
+        found quiet (not due, unchanged by time alone for a while) is passed by until then
+        or until something changes it: every collecting pump asks."""
         return self._talk.due()
 
     def next_due_at(self) -> float | None:
