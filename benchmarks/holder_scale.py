@@ -62,8 +62,8 @@ from durability_celery.queues import (  # noqa: E402
     holder_queue_declaration,
     reply_queue_declaration,
 )
-from durability_celery.routing import reply_queue  # noqa: E402
 from durability_celery.settings import DurabilitySettings  # noqa: E402
+from durability_celery.wire.routing import reply_queue  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "holder_scale.txt"
 CLIENTS = 100

@@ -13,9 +13,9 @@ from .compat import check_versions
 from .core.config import gathering_moment
 from .errors import ConfigurationError
 from .registry import configuration_for, is_configured, register
-from .routing import control_queue, holder_queue, shard_for
 from .semaphore import DurabilitySemaphore
 from .settings import DurabilitySettings
+from .wire.routing import control_queue, holder_queue, shard_for
 
 
 class Durability:

@@ -4,15 +4,12 @@
 # Celery's worker or the SQL store, so a plain producer can import it cheaply.
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from kombu.entity import Queue
 
 MAX_BODY_BYTES = 1024 * 1024
 """Larger request bodies are answered with `invalid_message` and never decoded."""
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def holder_queue_declaration(name: str, *, arguments: dict[str, Any] | None = None) -> Queue:
@@ -40,12 +37,6 @@ def reply_queue_declaration(name: str, *, expires: float) -> Queue:
         name, routing_key=name, durable=False, exclusive=True, auto_delete=True,
         expires=expires,
     )
-
-
-def safe_queue_part(text: str) -> str:
-    """`text` usable inside a queue name on every transport (the filesystem
-    transport puts queue names in file names, so no slashes)."""
-    return _UNSAFE.sub("_", text)[:120]
 
 
 def error_reply(code: str, message: str) -> dict[str, Any]:

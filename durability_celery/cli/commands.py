@@ -236,7 +236,7 @@ def prune_command(args: argparse.Namespace) -> int:
 
 
 def holder_command(args: argparse.Namespace) -> int:
-    from ..routing import control_queue
+    from ..wire.routing import control_queue
 
     prefix = _queue_prefix(args.app)
     extra = list(args.celery_args)

@@ -16,10 +16,10 @@ from typing import Any
 from kombu.messaging import Consumer
 
 from ..errors import InfrastructureError, RequestTimeout
-from ..queues import holder_queue_declaration, reply_queue_declaration, safe_queue_part
+from ..queues import holder_queue_declaration, reply_queue_declaration
 from ..registry import configuration_of
 from ..roundtrip import await_replies, publish_request
-from ..routing import reply_queue
+from ..wire.routing import reply_queue, safe_queue_part
 from .client import Permit
 
 logger = logging.getLogger("durability_celery.client")

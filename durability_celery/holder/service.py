@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import store
-from ..routing import shard_for
+from ..wire.routing import shard_for
 from .consumer import HolderConsumer
 from .dispatcher import Dispatcher
 from .replies import ReplyPublisher

@@ -22,11 +22,11 @@ from kombu.messaging import Consumer, Producer
 from ..client import SemaphoreClient
 from ..compat import worker as celery_worker
 from ..metrics import served_by
-from ..queues import reply_queue_declaration, safe_queue_part
+from ..queues import reply_queue_declaration
 from ..registry import Configuration
 from ..roundtrip import publish_request
-from ..routing import reply_queue
 from ..semaphore import DurabilitySemaphore
+from ..wire.routing import reply_queue, safe_queue_part
 from .gate import Gate, Hooks, Outgoing, item_id
 from .limits import DEFAULT_HOLD_DEADLINE, hold_deadline, warn_about_prefetch
 from .plumbing import celery_requests

@@ -9,9 +9,9 @@ from typing import Any
 from celery import Celery
 
 from durability_celery.beat import install
-from durability_celery.routing import control_queue
 from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.settings import DurabilitySettings
+from durability_celery.wire.routing import control_queue
 
 
 class FakeDurability:

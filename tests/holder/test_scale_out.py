@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from durability_celery.routing import shard_for
+from durability_celery.wire.routing import shard_for
 
 from .conftest import Backend, HolderRig, semaphore_config
 from .test_holder import Concurrency, run_workers, wait_until

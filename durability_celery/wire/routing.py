@@ -1,9 +1,13 @@
 # Where messages for a (semaphore, key) go: a stable hash maps keys onto a fixed
 # number of holder shards, so ten thousand accounts do not mean ten thousand
-# queues. The mapping must never depend on the process (no built-in hash()).
+# queues, and the names of the holder, control and reply queues. The mapping must
+# never depend on the process (no built-in hash()).
 from __future__ import annotations
 
+import re
 import zlib
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def shard_for(semaphore: str, key: str, shards: int) -> int:
@@ -24,3 +28,9 @@ def control_queue(prefix: str) -> str:
 def reply_queue(prefix: str, client_id: str) -> str:
     """Per-client reply queue; declared with `expires` so a gone client's queue goes too."""
     return f"{prefix}.reply.{client_id}"
+
+
+def safe_queue_part(text: str) -> str:
+    """`text` usable inside a queue name on every transport (the filesystem
+    transport puts queue names in file names, so no slashes)."""
+    return _UNSAFE.sub("_", text)[:120]
