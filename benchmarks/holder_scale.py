@@ -57,12 +57,12 @@ sys.path[:0] = [str(ROOT), str(APP_DIR)]
 holder_app = importlib.import_module("holder_app")
 
 from benchmarks.cluster import stop_process  # noqa: E402
-from durability_celery.core.messages import DemandEntry, GrantReport, Request  # noqa: E402
 from durability_celery.queues import (  # noqa: E402
     holder_queue_declaration,
     reply_queue_declaration,
 )
 from durability_celery.settings import DurabilitySettings  # noqa: E402
+from durability_celery.wire.request import DemandEntry, GrantReport, Request  # noqa: E402
 from durability_celery.wire.routing import reply_queue  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "holder_scale.txt"

@@ -8,9 +8,6 @@ from typing import Any
 
 from kombu.entity import Queue
 
-MAX_BODY_BYTES = 1024 * 1024
-"""Larger request bodies are answered with `invalid_message` and never decoded."""
-
 
 def holder_queue_declaration(name: str, *, arguments: dict[str, Any] | None = None) -> Queue:
     """A holder shard queue.
@@ -37,8 +34,3 @@ def reply_queue_declaration(name: str, *, expires: float) -> Queue:
         name, routing_key=name, durable=False, exclusive=True, auto_delete=True,
         expires=expires,
     )
-
-
-def error_reply(code: str, message: str) -> dict[str, Any]:
-    """An error answer of the wire protocol (DESIGN.md, internals.md)."""
-    return {"v": 1, "error": {"code": code, "message": message}}

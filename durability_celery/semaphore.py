@@ -26,10 +26,10 @@ from .callbacks import (
 )
 from .core.clients import Forgotten, forget_client
 from .core.config import Leases, RoundConfig, validate_seconds
-from .core.messages import MAX_KEY_LENGTH
 from .core.round import KeyState, reclaim, run_round, with_lease_deadline
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
+from .wire.fields import MAX_KEY_LENGTH
 
 
 class _NoneCommitted(Exception):

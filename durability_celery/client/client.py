@@ -16,12 +16,13 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ..core.messages import Request
 from ..errors import CallerError, InvalidMessage
+from ..wire.error import ErrorReply
+from ..wire.request import Request
 from .ledger import KeyLedger
 from .permits import Permit, Permits
 from .queue import ClientQueue
-from .replies import ErrorReply, parse_reply
+from .replies import parse_reply
 from .room import Room
 from .schedule import Replies
 from .talk import Talk

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..core.messages import LeaseReport
 from ..errors import IllegalTransition
+from ..wire.request import LeaseReport
 
 LATE_PREFIX = "late:"
 """Lease id prefix for claims a grant could no longer count (see GrantCopy.late_report)."""

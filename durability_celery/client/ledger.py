@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..core.keystate import Blocked
-from ..core.messages import GrantReport, LeaseReport
+from ..wire.request import GrantReport, LeaseReport
 from .copies import LATE_PREFIX, GrantCopy, LeaseCopy
 from .replies import GrantView, LeaseView, Reply
 from .schedule import InFlight, KeySchedule

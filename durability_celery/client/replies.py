@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..core.config import MAX_COUNT
 from ..core.keystate import REASON_PRECEDENCE, Blocked
-from ..core.messages import MAX_ENTRIES, MAX_ID_LENGTH, VERSION
 from ..errors import InvalidMessage
+from ..wire.error import ErrorReply, parse_error
+from ..wire.fields import MAX_COUNT, MAX_ENTRIES, MAX_ID_LENGTH, VERSION
 
 GrantReplyStatus = Literal["active", "expired", "not_found"]
 LeaseReplyStatus = Literal["active", "retired", "settled"]
@@ -60,14 +60,6 @@ class Reply:
     grants: tuple[GrantView, ...] = ()
     leases: tuple[LeaseView, ...] = ()
     blocked: tuple[Blocked, ...] = ()
-
-
-@dataclass(frozen=True)
-class ErrorReply:
-    """The holder refused the message (`invalid_message`, `unknown_semaphore`, `unavailable`)."""
-
-    code: str
-    message: str
 
 
 def _get(obj: Mapping[str, Any], name: str, where: str) -> Any:
@@ -166,11 +158,7 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
     if isinstance(version, bool) or version != VERSION:
         raise InvalidMessage("v", f"unsupported version {version!r}; this client speaks {VERSION}")
     if "error" in raw:
-        error = raw["error"]
-        if not isinstance(error, Mapping):
-            raise InvalidMessage("error", "must be an object")
-        return ErrorReply(code=str(error.get("code", "unknown")),
-                          message=str(error.get("message", "")))
+        return parse_error(raw["error"])
     if raw.get("semaphore", semaphore) != semaphore:
         raise InvalidMessage("semaphore", f"reply is for {raw.get('semaphore')!r}, "
                              f"not {semaphore!r}")

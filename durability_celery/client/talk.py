@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from ..core.messages import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, DemandEntry
+from ..wire.request import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, DemandEntry
 from .copies import LeaseCopy
 from .due import due_at
 from .ledger import KeyLedger

@@ -9,10 +9,11 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..wire.request import DemandEntry
 from .config import Leases, Over, RoundConfig, Under
+from .keystate import BlockedReason
 from .ledger import Ledger
 from .limits import ResolvedLimits
-from .messages import BlockedReason, DemandEntry
 from .state import Grant, Lease
 
 Pair = tuple[str, str | None]

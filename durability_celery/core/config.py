@@ -7,9 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigurationError
-
-MAX_COUNT = 1_000_000_000
-"""Upper bound for any count on the wire or in settings; larger is absurd."""
+from ..wire.fields import MAX_COUNT, MAX_ID_LENGTH
 
 
 def _positive_int(name: str, value: object, *, minimum: int = 1) -> int:
@@ -122,9 +120,9 @@ class RoundConfig:
     leases: Leases | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.semaphore, str) or not 0 < len(self.semaphore) <= 200:
+        if not isinstance(self.semaphore, str) or not 0 < len(self.semaphore) <= MAX_ID_LENGTH:
             raise ConfigurationError(
-                "semaphore name must be a non-empty string of at most 200 chars"
+                f"semaphore name must be a non-empty string of at most {MAX_ID_LENGTH} chars"
             )
         validate_seconds("grant_timeout", self.grant_timeout, minimum=0.001)
         validate_seconds("round_wait", self.round_wait)

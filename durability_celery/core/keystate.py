@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
-from .messages import BlockedReason
 from .state import Grant, Lease
+
+BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
 
 # Which reason wins when several hold back one group's demand: the most
 # actionable first (a broken callback, then a policy refusal, then ceilings).

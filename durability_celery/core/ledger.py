@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import InvalidMessage
-from .messages import LeaseReport, Request
+from ..wire.request import LeaseReport, Request
 from .state import Grant, Lease
 
 

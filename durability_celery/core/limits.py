@@ -4,7 +4,7 @@
 # escapes the round.
 from __future__ import annotations
 
-from .config import MAX_COUNT
+from ..wire.fields import MAX_COUNT
 from .keystate import LimitSource
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from ..wire.fields import VERSION
+from ..wire.request import Request
 from .allocate import Allocation
 from .config import RoundConfig
 from .keystate import KeyState
 from .ledger import Ledger
-from .messages import VERSION, Request
 from .state import Grant, Lease
 
 

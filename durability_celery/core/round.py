@@ -11,13 +11,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidMessage
+from ..wire.error import error_response
+from ..wire.request import Request, parse_request
 from .allocate import Allocation, Demand, allocate, room_of
 from .clients import mark_seen
 from .config import Over, RoundConfig
 from .keystate import Blocked, KeyState, LimitSource, worst_reason
 from .ledger import Ledger
 from .limits import ResolvedLimits
-from .messages import Request, error_response, parse_request
 from .responses import ClientIndex, respond
 from .state import Lease
 

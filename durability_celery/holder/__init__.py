@@ -7,19 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..queues import (
-    MAX_BODY_BYTES,
-    error_reply,
-    holder_queue_declaration,
-    reply_queue_declaration,
-)
+from ..queues import holder_queue_declaration, reply_queue_declaration
 
 if TYPE_CHECKING:
     from ..registry import Configuration
 
 __all__ = [
-    "MAX_BODY_BYTES",
-    "error_reply",
     "holder_queue_declaration",
     "install",
     "reply_queue_declaration",

@@ -14,9 +14,9 @@ from typing import Any
 
 from kombu.messaging import Consumer
 
-from ..core.messages import check_key
 from ..errors import InvalidMessage
-from ..queues import MAX_BODY_BYTES, holder_queue_declaration
+from ..queues import holder_queue_declaration
+from ..wire.request import MAX_BODY_BYTES, check_key
 from .batching import KeyId, Waiting
 from .dispatcher import Dispatcher
 from .intake import Drain, Unavailable, redis_drain

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..queues import error_reply
+from ..wire.error import error_reply
 from .batching import Batcher, KeyId, Round, Waiting
 from .jobs import BatchDone, ReclaimDone, ScanDone, run_batch, run_reclaim, scan
 from .outcomes import blocked_by, claim_deadlines, round_at_of

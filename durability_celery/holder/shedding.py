@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.messages import Request, parse_request
 from ..errors import InvalidMessage
+from ..wire.request import Request, parse_request
 
 
 def answered_by(bodies: Sequence[dict[str, Any]], *, semaphore: str,

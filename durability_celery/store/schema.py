@@ -27,6 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 
 from ..errors import ConfigurationError
+from ..wire.fields import MAX_ID_LENGTH
 
 SCHEMA_VERSION = 2
 """The version `migrate(engine)` brings a database to."""
@@ -35,7 +36,7 @@ MigrateOutcome = Literal["created", "upgraded", "current", "removed", "absent"]
 """What `migrate` did: created the schema, upgraded it, found it current (nothing
 changed), removed it, or found none to remove."""
 
-NAME_LENGTH = 200
+NAME_LENGTH = MAX_ID_LENGTH
 """Longest semaphore name, key, client id, group or grant/lease id (as on the wire)."""
 
 metadata = MetaData()

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 from celery import Task
 from kombu.utils.imports import symbol_by_name
 
-from ..core.messages import MAX_KEY_LENGTH
 from ..errors import CallerError, ConfigurationError
 from ..registry import configuration_for
+from ..wire.fields import MAX_KEY_LENGTH
 from .headers import HEADER_ENQUEUED_AT, HEADER_GROUP, HEADER_KEY, HEADER_SEMAPHORE
 from .request import AdmittedRequest
 

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 )
 
 from durability_celery.client import SemaphoreClient
-from durability_celery.core.messages import parse_request
+from durability_celery.wire.request import parse_request
 
 from .helpers import SEM, FakeClock
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from durability_celery.core.messages import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, parse_request
 from durability_celery.errors import CallerError
+from durability_celery.wire.request import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, parse_request
 
 from .helpers import (
     KEY,

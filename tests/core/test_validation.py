@@ -117,8 +117,9 @@ def test_bad_settings_fail_at_construction_naming_the_setting(build: Any, settin
 
 @pytest.mark.parametrize("key", ["", "k" * 201, 7, None])
 def test_a_key_no_round_could_serve_is_refused_before_the_round(key: Any) -> None:
-    from durability_celery.core.messages import MAX_KEY_LENGTH, check_key
     from durability_celery.errors import InvalidMessage
+    from durability_celery.wire.fields import MAX_KEY_LENGTH
+    from durability_celery.wire.request import check_key
 
     with pytest.raises(InvalidMessage, match=f"^key: must be a non-empty string of at most "
                                              f"{MAX_KEY_LENGTH} chars, got ") as raised:

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from kombu.messaging import Consumer, Producer
 
-from durability_celery.holder import MAX_BODY_BYTES, holder_queue_declaration
+from durability_celery.holder import holder_queue_declaration
 from durability_celery.queues import reply_queue_declaration
+from durability_celery.wire.request import MAX_BODY_BYTES
 from tests.faults.harness import FaultCluster, check_invariants, report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -19,11 +19,11 @@ from celery import Celery
 from kombu import Consumer, Producer
 
 from durability_celery.app import Durability
-from durability_celery.core.messages import MAX_KEY_LENGTH
 from durability_celery.holder import holder_queue_declaration, reply_queue_declaration
 from durability_celery.holder.service import Holder
 from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.settings import DurabilitySettings
+from durability_celery.wire.fields import MAX_KEY_LENGTH
 
 pytestmark = pytest.mark.timeout(60)
 

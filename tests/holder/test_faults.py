@@ -16,7 +16,8 @@ import pytest
 from kombu import Consumer, Producer
 from support import redis_db
 
-from durability_celery.holder import MAX_BODY_BYTES, holder_queue_declaration
+from durability_celery.holder import holder_queue_declaration
+from durability_celery.wire.request import MAX_BODY_BYTES
 
 from .conftest import REDIS_DB, Backend, HolderRig, semaphore_config
 from .test_holder import run_workers, wait_until

@@ -19,7 +19,6 @@ from kombu import Consumer, Producer
 
 from durability_celery.app import Durability
 from durability_celery.holder import (
-    MAX_BODY_BYTES,
     holder_queue_declaration,
     intake,
     reply_queue_declaration,
@@ -27,6 +26,7 @@ from durability_celery.holder import (
 from durability_celery.holder.service import Holder
 from durability_celery.semaphore import DurabilitySemaphore
 from durability_celery.settings import DurabilitySettings
+from durability_celery.wire.request import MAX_BODY_BYTES
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.redis_db(2)]
 

@@ -18,8 +18,8 @@ import pytest
 from kombu import Consumer, Producer
 
 from durability_celery.core.config import GATHER
-from durability_celery.core.messages import DemandEntry, Request
 from durability_celery.holder import holder_queue_declaration, reply_queue_declaration
+from durability_celery.wire.request import DemandEntry, Request
 
 from .conftest import Backend, HolderRig, semaphore_config
 

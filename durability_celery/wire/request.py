@@ -1,6 +1,6 @@
-# Wire messages of the holder protocol (JSON, version 1): parsing with strict
-# validation, and the shapes of responses. A message that fails validation
-# raises InvalidMessage naming the field; parsing never changes any state.
+# Request and sync messages, client to holder: building one (Request.to_wire) and
+# validating one strictly (parse_request). A message that fails validation raises
+# InvalidMessage naming the field; parsing never changes any state.
 from __future__ import annotations
 
 import math
@@ -10,21 +10,23 @@ from itertools import pairwise
 from typing import Any, Literal
 
 from ..errors import InvalidMessage
-from .config import MAX_COUNT
+from .fields import (
+    MAX_COUNT,
+    MAX_ENTRIES,
+    MAX_KEY_LENGTH,
+    VERSION,
+    ident,
+    optional_ident,
+    required,
+)
 
-VERSION = 1
-MAX_ID_LENGTH = 200
-MAX_KEY_LENGTH = MAX_ID_LENGTH
-"""Longest key: the width of the store's key column, so a longer one could never be saved."""
-MAX_ENTRIES = 10_000
-"""Most demand entries, grant reports or lease reports one message may carry."""
+MAX_BODY_BYTES = 1024 * 1024
+"""Larger request bodies are answered with `invalid_message` and never decoded."""
 MAX_QUEUED_AT = 256
 """Most enqueue times one demand entry may list (its oldest items)."""
 MAX_QUEUED_AT_TOTAL = MAX_ENTRIES
 """Most enqueue times one message may list over all its demand entries: a message
 stays about as large as MAX_ENTRIES entries allow."""
-
-BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
 
 
 @dataclass(frozen=True)
@@ -114,25 +116,6 @@ def _demand_wire(entry: DemandEntry) -> dict[str, Any]:
     return wire
 
 
-def error_response(exc: InvalidMessage) -> dict[str, Any]:
-    """What a rejected message gets in place of a round's response."""
-    return {"v": VERSION, "error": {"code": exc.code, "message": str(exc)}}
-
-
-def _field(obj: Mapping[str, Any], name: str, where: str) -> Any:
-    if name not in obj:
-        raise InvalidMessage(f"{where}{name}", "is required")
-    return obj[name]
-
-
-def _string(value: Any, field: str, *, nullable: bool = False) -> str | None:
-    if value is None and nullable:
-        return None
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
-        raise InvalidMessage(field, f"must be a non-empty string of at most {MAX_ID_LENGTH} chars")
-    return value
-
-
 def _count(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidMessage(field, "must be an integer")
@@ -167,12 +150,12 @@ def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
     listed = 0
     for i, raw in enumerate(_entries(message, "demand")):
         where = f"demand[{i}]."
-        group = _string(_field(raw, "group", where), f"{where}group", nullable=True)
+        group = optional_ident(required(raw, "group", where), f"{where}group")
         if group in seen:
             raise InvalidMessage(f"{where}group", f"{group!r} appears twice")
         seen.add(group)
-        count = _count(_field(raw, "count", where), f"{where}count")
-        oldest_at = _time(_field(raw, "oldest_at", where), f"{where}oldest_at")
+        count = _count(required(raw, "count", where), f"{where}count")
+        oldest_at = _time(required(raw, "oldest_at", where), f"{where}oldest_at")
         queued_at = _queued_at(raw.get("queued_at", []), f"{where}queued_at", count, oldest_at)
         listed += len(queued_at)
         if listed > MAX_QUEUED_AT_TOTAL:
@@ -200,13 +183,12 @@ def _grant_reports(message: Mapping[str, Any]) -> tuple[GrantReport, ...]:
     reports = []
     for i, raw in enumerate(_entries(message, "grants")):
         where = f"grants[{i}]."
-        grant_id = _string(_field(raw, "grant_id", where), f"{where}grant_id")
-        assert grant_id is not None
+        grant_id = ident(required(raw, "grant_id", where), f"{where}grant_id")
         if grant_id in seen:
             raise InvalidMessage(f"{where}grant_id", f"{grant_id!r} appears twice")
         seen.add(grant_id)
-        claimed = _count(_field(raw, "claimed", where), f"{where}claimed")
-        released = _count(_field(raw, "released", where), f"{where}released")
+        claimed = _count(required(raw, "claimed", where), f"{where}claimed")
+        released = _count(required(raw, "released", where), f"{where}released")
         if released > claimed:
             raise InvalidMessage(f"{where}released", "cannot exceed claimed")
         reports.append(GrantReport(grant_id, claimed, released))
@@ -218,13 +200,12 @@ def _lease_reports(message: Mapping[str, Any]) -> tuple[LeaseReport, ...]:
     reports = []
     for i, raw in enumerate(_entries(message, "leases")):
         where = f"leases[{i}]."
-        lease_id = _string(_field(raw, "lease_id", where), f"{where}lease_id")
-        assert lease_id is not None
+        lease_id = ident(required(raw, "lease_id", where), f"{where}lease_id")
         if lease_id in seen:
             raise InvalidMessage(f"{where}lease_id", f"{lease_id!r} appears twice")
         seen.add(lease_id)
-        drawn = _count(_field(raw, "drawn", where), f"{where}drawn")
-        released = _count(_field(raw, "released", where), f"{where}released")
+        drawn = _count(required(raw, "drawn", where), f"{where}drawn")
+        released = _count(required(raw, "released", where), f"{where}released")
         if released > drawn:
             raise InvalidMessage(f"{where}released", "cannot exceed drawn")
         stopped = raw.get("stopped", False)
@@ -250,18 +231,17 @@ def parse_request(raw: object, *, semaphore: str, key: str) -> Request:
     """Validate one wire message addressed to (semaphore, key)."""
     if not isinstance(raw, Mapping):
         raise InvalidMessage("message", "must be a JSON object")
-    kind = _field(raw, "type", "")
+    kind = required(raw, "type", "")
     if kind not in ("request", "sync"):
         raise InvalidMessage("type", f"must be 'request' or 'sync', got {kind!r}")
-    version = _field(raw, "v", "")
+    version = required(raw, "v", "")
     if isinstance(version, bool) or version != VERSION:
         raise InvalidMessage("v", f"unsupported version {version!r}; this holder speaks {VERSION}")
-    if _field(raw, "semaphore", "") != semaphore:
+    if required(raw, "semaphore", "") != semaphore:
         raise InvalidMessage("semaphore", f"this holder serves {semaphore!r}")
-    if _field(raw, "key", "") != key:
+    if required(raw, "key", "") != key:
         raise InvalidMessage("key", f"message was routed to key {key!r}")
-    client_id = _string(_field(raw, "client_id", ""), "client_id")
-    assert client_id is not None
+    client_id = ident(required(raw, "client_id", ""), "client_id")
     if kind == "sync" and raw.get("demand"):
         raise InvalidMessage("demand", "a sync message carries no demand")
     supports_leases = raw.get("supports_leases", False)

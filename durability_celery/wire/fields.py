@@ -1,0 +1,38 @@
+# The limits of the wire and the field readers both directions share. A field
+# that fails raises InvalidMessage naming it; reading never changes any state.
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import InvalidMessage
+
+VERSION = 1
+MAX_ID_LENGTH = 200
+"""Longest semaphore name, client id, group or grant/lease id: the width of the store's
+columns, so a longer one could never be saved."""
+MAX_KEY_LENGTH = MAX_ID_LENGTH
+"""Longest key: the width of the store's key column, so a longer one could never be saved."""
+MAX_COUNT = 1_000_000_000
+"""Upper bound for any count on the wire or in settings; larger is absurd."""
+MAX_ENTRIES = 10_000
+"""Most demand entries, grant reports or lease reports one message may carry."""
+
+
+def required(obj: Mapping[str, Any], name: str, where: str) -> Any:
+    """`obj[name]`; InvalidMessage naming `where` + `name` if it is absent."""
+    if name not in obj:
+        raise InvalidMessage(f"{where}{name}", "is required")
+    return obj[name]
+
+
+def ident(value: Any, field: str) -> str:
+    """`value` if it is an id the store can save (a non-empty string, not too long)."""
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise InvalidMessage(field, f"must be a non-empty string of at most {MAX_ID_LENGTH} chars")
+    return value
+
+
+def optional_ident(value: Any, field: str) -> str | None:
+    """None, or an id as `ident` takes it (a group: None is the key's default group)."""
+    return None if value is None else ident(value, field)
