@@ -7,7 +7,6 @@ from .app import Durability, durability_for
 from .client import Permit, SemaphoreClient
 from .client.blocking import BlockingClient
 from .core.config import Leases, Over, Strict, Under
-from .core.keystate import Blocked
 from .core.usage import GroupUsage, Usage
 from .errors import (
     CallerError,
@@ -23,6 +22,7 @@ from .semaphore import DurabilitySemaphore
 from .settings import DurabilitySettings
 from .store import metadata
 from .transport import register as _register_transport
+from .wire.reply import Blocked
 from .worker import AdmissionError, AdmittedTask
 
 __version__ = "0.1.0"

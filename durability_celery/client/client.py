@@ -18,11 +18,11 @@ from typing import Any
 
 from ..errors import CallerError, InvalidMessage
 from ..wire.error import ErrorReply
+from ..wire.reply import parse_reply
 from ..wire.request import Request
 from .ledger import KeyLedger
 from .permits import Permit, Permits
 from .queue import ClientQueue
-from .replies import parse_reply
 from .room import Room
 from .schedule import Replies
 from .talk import Talk

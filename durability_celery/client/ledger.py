@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.keystate import Blocked
+from ..wire.reply import Blocked, GrantView, LeaseView, Reply
 from ..wire.request import GrantReport, LeaseReport
 from .copies import LATE_PREFIX, GrantCopy, LeaseCopy
-from .replies import GrantView, LeaseView, Reply
 from .schedule import InFlight, KeySchedule
 
 LEASE_TOMBSTONE_TTLS = 2.0

@@ -9,9 +9,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..wire.reply import BlockedReason
 from ..wire.request import DemandEntry
 from .config import Leases, Over, RoundConfig, Under
-from .keystate import BlockedReason
 from .ledger import Ledger
 from .limits import ResolvedLimits
 from .state import Grant, Lease

@@ -4,32 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
+from ..wire.reply import REASON_PRECEDENCE, Blocked, BlockedReason
 from .state import Grant, Lease
-
-BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
-
-# Which reason wins when several hold back one group's demand: the most
-# actionable first (a broken callback, then a policy refusal, then ceilings).
-REASON_PRECEDENCE: tuple[BlockedReason, ...] = (
-    "limit_resolution_error",
-    "not_permitted",
-    "group_limit",
-    "limit",
-)
-
-
-@dataclass(frozen=True)
-class Blocked:
-    """Demand of one group left queued by a round, and why."""
-
-    group: str | None
-    reason: BlockedReason
-    queued: int
-
-    def to_dict(self) -> dict[str, object]:
-        return {"group": self.group, "reason": self.reason, "queued": self.queued}
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,25 @@
 # The answer one client gets from a round: every live grant and lease it holds
 # for the key (so a lost earlier answer is recovered by the next one), the
-# fate of ids it reported that are gone, and why its demand stays queued.
+# fate of ids it reported that are gone, and why its demand stays queued. What
+# goes in is decided here; how each entry is written is wire/reply.py's.
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
 
-from ..wire.fields import VERSION
+from ..wire.reply import (
+    blocked_entry,
+    gone_grant_entry,
+    grant_entry,
+    lease_entry,
+    reply_body,
+    unknown_lease_entry,
+)
 from ..wire.request import Request
 from .allocate import Allocation
 from .config import RoundConfig
 from .keystate import KeyState
 from .ledger import Ledger
-from .state import Grant, Lease
-
-
-def grant_view(grant: Grant) -> dict[str, Any]:
-    return {
-        "grant_id": grant.grant_id, "group": grant.group, "permits": grant.permits,
-        "claimed": grant.claimed, "released": grant.released,
-        "claim_deadline": grant.claim_deadline, "status": grant.status,
-    }
-
-
-def lease_view(lease: Lease, ttl: float | None, ack_timeout: float, *,
-               settled: bool = False) -> dict[str, Any]:
-    return {
-        "lease_id": lease.lease_id, "group": lease.group, "permits": lease.permits,
-        "drawn": lease.drawn, "released": lease.released,
-        "expires_at": lease.expires_at(ttl, ack_timeout),
-        "acknowledged": lease.acknowledged,
-        "status": "settled" if settled else lease.status,
-    }
 
 
 class ClientIndex:
@@ -43,24 +31,21 @@ class ClientIndex:
         self.leases: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.blocked: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for grant in state.grants:
-            self.grants[grant.client_id].append(grant_view(grant))
+            self.grants[grant.client_id].append(grant_entry(grant))
         for lease in state.leases:
-            self.leases[lease.client_id].append(lease_view(lease, ttl, ack_timeout))
+            self.leases[lease.client_id].append(
+                lease_entry(lease, lease.expires_at(ttl, ack_timeout), lease.status))
         for lease in ledger.settled.values():
             self.leases[lease.client_id].append(
-                lease_view(lease, ttl, ack_timeout, settled=True))
+                lease_entry(lease, lease.expires_at(ttl, ack_timeout), "settled"))
         for (client, group), (count, reason) in allocation.unmet.items():
-            self.blocked[client].append({"group": group, "reason": reason, "queued": count})
+            self.blocked[client].append(blocked_entry(group, reason, count))
 
 
 def _grants(request: Request, index: ClientIndex) -> list[dict[str, Any]]:
     mine = index.grants.get(request.client_id, [])
     live = {g["grant_id"] for g in mine}
-    gone = [
-        {"grant_id": r.grant_id, "group": None, "permits": 0, "claimed": r.claimed,
-         "released": r.released, "claim_deadline": None, "status": "not_found"}
-        for r in request.grants if r.grant_id not in live
-    ]
+    gone = [gone_grant_entry(r) for r in request.grants if r.grant_id not in live]
     return mine + gone
 
 
@@ -72,11 +57,7 @@ def _leases(request: Request, index: ClientIndex) -> list[dict[str, Any]]:
             continue
         # Not in the state: a lease never known here with nothing in use (one
         # with draws in use was adopted by the ledger and is listed above).
-        mine.append({
-            "lease_id": report.lease_id, "group": None, "permits": report.drawn,
-            "drawn": report.drawn, "released": report.released, "expires_at": None,
-            "status": "settled",
-        })
+        mine.append(unknown_lease_entry(report))
     return mine
 
 
@@ -93,12 +74,12 @@ def respond(
     # Demand left unmet may ask again at once: the holder holds it until capacity comes
     # back or the next period, so it is there when a permit is returned.
     waits = bool(index.blocked.get(request.client_id))
-    return {
-        "v": VERSION, "semaphore": state.semaphore, "key": state.key,
-        "round_at": now, "next_request_at": now if waits else now + config.round_period,
-        "contended": allocation.contended,
-        "over_limit": over_limit,
-        "grants": _grants(request, index),
-        "leases": _leases(request, index),
-        "blocked": list(index.blocked.get(request.client_id, [])),
-    }
+    return reply_body(
+        semaphore=state.semaphore, key=state.key,
+        round_at=now, next_request_at=now if waits else now + config.round_period,
+        contended=allocation.contended,
+        over_limit=over_limit,
+        grants=_grants(request, index),
+        leases=_leases(request, index),
+        blocked=list(index.blocked.get(request.client_id, [])),
+    )

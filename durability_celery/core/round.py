@@ -12,11 +12,12 @@ from typing import Any
 
 from ..errors import InvalidMessage
 from ..wire.error import error_response
+from ..wire.reply import Blocked
 from ..wire.request import Request, parse_request
 from .allocate import Allocation, Demand, allocate, room_of
 from .clients import mark_seen
 from .config import Over, RoundConfig
-from .keystate import Blocked, KeyState, LimitSource, worst_reason
+from .keystate import KeyState, LimitSource, worst_reason
 from .ledger import Ledger
 from .limits import ResolvedLimits
 from .responses import ClientIndex, respond

@@ -7,8 +7,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..wire.reply import Blocked
 from .config import RoundConfig
-from .keystate import Blocked, KeyState, LimitSource
+from .keystate import KeyState, LimitSource
 from .limits import ResolvedLimits
 from .round import reclaim
 

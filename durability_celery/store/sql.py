@@ -17,8 +17,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from ..core.keystate import ClientSeen
-from ..core.round import Blocked, KeyState
+from ..core.round import KeyState
 from ..core.state import Grant, Lease
+from ..wire.reply import Blocked
 from .schema import clients, grants, keys, leases
 
 GRANT_COLUMNS = tuple(f.name for f in fields(Grant))

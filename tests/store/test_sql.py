@@ -13,8 +13,9 @@ import sqlalchemy as sa
 
 from durability_celery import store
 from durability_celery.core.keystate import ClientSeen
-from durability_celery.core.round import Blocked, KeyState
+from durability_celery.core.round import KeyState
 from durability_celery.core.state import Grant, Lease
+from durability_celery.wire.reply import Blocked
 
 
 @pytest.fixture

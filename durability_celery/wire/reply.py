@@ -1,20 +1,44 @@
-# Holder replies as the client reads them: parsing with validation into frozen
-# views. Rule: a reply that does not parse changes nothing in the client; it is
-# handled like a failed message (the key backs off), never half-applied.
+# A round's reply, holder to client: building one from the holder's grants and
+# leases (the *_entry functions and reply_body; core/responses.py decides what
+# goes in), and reading one with validation into frozen views (parse_reply). Rule:
+# a reply that does not parse changes nothing in the client; it is handled like a
+# failed message (the key backs off), never half-applied.
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from ..core.keystate import REASON_PRECEDENCE, Blocked
 from ..errors import InvalidMessage
-from ..wire.error import ErrorReply, parse_error
-from ..wire.fields import MAX_COUNT, MAX_ENTRIES, MAX_ID_LENGTH, VERSION
+from .error import ErrorReply, parse_error
+from .fields import MAX_COUNT, MAX_ENTRIES, VERSION, ident, optional_ident, required
+from .request import GrantReport, LeaseReport
 
+BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
 GrantReplyStatus = Literal["active", "expired", "not_found"]
 LeaseReplyStatus = Literal["active", "retired", "settled"]
+
+# Which reason wins when several hold back one group's demand: the most
+# actionable first (a broken callback, then a policy refusal, then ceilings).
+REASON_PRECEDENCE: tuple[BlockedReason, ...] = (
+    "limit_resolution_error",
+    "not_permitted",
+    "group_limit",
+    "limit",
+)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """Demand of one group left queued by a round, and why."""
+
+    group: str | None
+    reason: BlockedReason
+    queued: int
+
+    def to_dict(self) -> dict[str, object]:
+        return blocked_entry(self.group, self.reason, self.queued)
 
 
 @dataclass(frozen=True)
@@ -62,20 +86,94 @@ class Reply:
     blocked: tuple[Blocked, ...] = ()
 
 
-def _get(obj: Mapping[str, Any], name: str, where: str) -> Any:
-    if name not in obj:
-        raise InvalidMessage(f"{where}{name}", "is required")
-    return obj[name]
+class GrantFields(Protocol):
+    """What a reply tells of a grant the holder has (core.state.Grant)."""
+
+    @property
+    def grant_id(self) -> str: ...
+    @property
+    def group(self) -> str | None: ...
+    @property
+    def permits(self) -> int: ...
+    @property
+    def claimed(self) -> int: ...
+    @property
+    def released(self) -> int: ...
+    @property
+    def claim_deadline(self) -> float: ...
+    @property
+    def status(self) -> str: ...
 
 
-def _ident(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
-        raise InvalidMessage(field, f"must be a non-empty string of at most {MAX_ID_LENGTH} chars")
-    return value
+class LeaseFields(Protocol):
+    """What a reply tells of a lease the holder has (core.state.Lease), besides its
+    expiry and status, which the holder works out."""
+
+    @property
+    def lease_id(self) -> str: ...
+    @property
+    def group(self) -> str | None: ...
+    @property
+    def permits(self) -> int: ...
+    @property
+    def drawn(self) -> int: ...
+    @property
+    def released(self) -> int: ...
+    @property
+    def acknowledged(self) -> bool: ...
 
 
-def _group(value: Any, field: str) -> str | None:
-    return None if value is None else _ident(value, field)
+def grant_entry(grant: GrantFields) -> dict[str, Any]:
+    return {
+        "grant_id": grant.grant_id, "group": grant.group, "permits": grant.permits,
+        "claimed": grant.claimed, "released": grant.released,
+        "claim_deadline": grant.claim_deadline, "status": grant.status,
+    }
+
+
+def gone_grant_entry(report: GrantReport) -> dict[str, Any]:
+    """A reported grant the holder does not have."""
+    return {"grant_id": report.grant_id, "group": None, "permits": 0,
+            "claimed": report.claimed, "released": report.released,
+            "claim_deadline": None, "status": "not_found"}
+
+
+def lease_entry(lease: LeaseFields, expires_at: float, status: str) -> dict[str, Any]:
+    return {
+        "lease_id": lease.lease_id, "group": lease.group, "permits": lease.permits,
+        "drawn": lease.drawn, "released": lease.released,
+        "expires_at": expires_at,
+        "acknowledged": lease.acknowledged,
+        "status": status,
+    }
+
+
+def unknown_lease_entry(report: LeaseReport) -> dict[str, Any]:
+    """A reported lease the holder never knew, with nothing in use: settled."""
+    return {
+        "lease_id": report.lease_id, "group": None, "permits": report.drawn,
+        "drawn": report.drawn, "released": report.released, "expires_at": None,
+        "status": "settled",
+    }
+
+
+def blocked_entry(group: str | None, reason: BlockedReason, queued: int) -> dict[str, Any]:
+    return {"group": group, "reason": reason, "queued": queued}
+
+
+def reply_body(*, semaphore: str, key: str, round_at: float, next_request_at: float,
+               contended: bool, over_limit: bool, grants: list[dict[str, Any]],
+               leases: list[dict[str, Any]], blocked: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON-ready reply to one client's request for (semaphore, key)."""
+    return {
+        "v": VERSION, "semaphore": semaphore, "key": key,
+        "round_at": round_at, "next_request_at": next_request_at,
+        "contended": contended,
+        "over_limit": over_limit,
+        "grants": grants,
+        "leases": leases,
+        "blocked": blocked,
+    }
 
 
 def _count(value: Any, field: str) -> int:
@@ -100,6 +198,12 @@ def _status(value: Any, field: str, allowed: tuple[str, ...]) -> Any:
     return value
 
 
+def _flag(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidMessage(field, "must be a boolean")
+    return value
+
+
 def _list(obj: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
     value = obj.get(name, [])
     if not isinstance(value, list) or len(value) > MAX_ENTRIES:
@@ -111,41 +215,35 @@ def _list(obj: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
 
 def _grant(raw: Mapping[str, Any], where: str) -> GrantView:
     return GrantView(
-        grant_id=_ident(_get(raw, "grant_id", where), f"{where}grant_id"),
-        group=_group(raw.get("group"), f"{where}group"),
+        grant_id=ident(required(raw, "grant_id", where), f"{where}grant_id"),
+        group=optional_ident(raw.get("group"), f"{where}group"),
         permits=_count(raw.get("permits", 0), f"{where}permits"),
         claimed=_count(raw.get("claimed", 0), f"{where}claimed"),
         released=_count(raw.get("released", 0), f"{where}released"),
         claim_deadline=_optional_time(raw.get("claim_deadline"), f"{where}claim_deadline"),
-        status=_status(_get(raw, "status", where), f"{where}status",
+        status=_status(required(raw, "status", where), f"{where}status",
                        ("active", "expired", "not_found")),
     )
 
 
 def _lease(raw: Mapping[str, Any], where: str) -> LeaseView:
     return LeaseView(
-        lease_id=_ident(_get(raw, "lease_id", where), f"{where}lease_id"),
-        group=_group(raw.get("group"), f"{where}group"),
+        lease_id=ident(required(raw, "lease_id", where), f"{where}lease_id"),
+        group=optional_ident(raw.get("group"), f"{where}group"),
         permits=_count(raw.get("permits", 0), f"{where}permits"),
         drawn=_count(raw.get("drawn", 0), f"{where}drawn"),
         released=_count(raw.get("released", 0), f"{where}released"),
         expires_at=_optional_time(raw.get("expires_at"), f"{where}expires_at"),
-        status=_status(_get(raw, "status", where), f"{where}status",
+        status=_status(required(raw, "status", where), f"{where}status",
                        ("active", "retired", "settled")),
         acknowledged=_flag(raw.get("acknowledged", True), f"{where}acknowledged"),
     )
 
 
-def _flag(value: Any, field: str) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidMessage(field, "must be a boolean")
-    return value
-
-
 def _blocked(raw: Mapping[str, Any], where: str) -> Blocked:
     return Blocked(
-        group=_group(raw.get("group"), f"{where}group"),
-        reason=_status(_get(raw, "reason", where), f"{where}reason", REASON_PRECEDENCE),
+        group=optional_ident(raw.get("group"), f"{where}group"),
+        reason=_status(required(raw, "reason", where), f"{where}reason", REASON_PRECEDENCE),
         queued=_count(raw.get("queued", 0), f"{where}queued"),
     )
 
@@ -166,7 +264,7 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
         raise InvalidMessage("key", f"reply is for key {raw.get('key')!r}, not {key!r}")
     contended = _flag(raw.get("contended", False), "contended")
     over_limit = _flag(raw.get("over_limit", False), "over_limit")  # older holders: absent
-    round_at = _time(_get(raw, "round_at", ""), "round_at")
+    round_at = _time(required(raw, "round_at", ""), "round_at")
     return Reply(
         round_at=round_at,
         next_request_at=_time(raw.get("next_request_at", round_at), "next_request_at"),
