@@ -107,11 +107,10 @@ class SemaphoreClient:
     def capacity(self) -> int | None:
         """How many items this client can run at once (its pool), None: unbounded.
 
-        With handoff on, a key's demand never asks for more than this minus the
-        permits the client already has for the key: a running item's permit
-        passes on to the next queued one, so a permit beyond what the pool can
-        run would only sit here while another client's items of the key wait.
-        """
+        With handoff on, a key's demand never asks for more than this minus the permits
+        the client already has for the key: a running item's permit passes on to the next
+        queued one, so a permit beyond what the pool can run would only sit here while
+        another client's items of the key wait."""
         return self._capacity
 
     @capacity.setter
