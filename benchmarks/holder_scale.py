@@ -1,8 +1,9 @@
 # Holder scale through the real holder (issue 6): 10,000 keys and 100 simulated
 # clients against one `celery worker --durability-holder` process on Redis (DB 13)
-# and a PostgreSQL database of the run's own. benchmarks/scale.py drives
-# `run_round` directly; this one goes through the broker, the holder's consumer,
-# batcher, round threads and reply publisher, as deployed.
+# and a PostgreSQL database of the run's own, or against two holder processes on
+# split shard ranges (`--holders 1 2`: both, and the ratio). benchmarks/scale.py
+# drives `run_round` directly; this one goes through the broker, the holder's
+# consumer, batcher, round threads and reply publisher, as deployed.
 #
 # Each key is served by 2 of the 100 clients (as in scale.py), limit 4. Every
 # client asks for 2 permits per key, and in its next request reports the grants
@@ -15,18 +16,18 @@
 # requests, how many requests were still unanswered at the end, PostgreSQL time
 # from pg_stat_database deltas (active = executing statements, in-transaction =
 # a round's transaction open but waiting for the holder's Python), CPU of the
-# holder and of its PostgreSQL backends from /proc, and the holder's RSS.
-# Rules: bounded runtime (two windows of --seconds plus start-up: 65 s here by
-# default); every process, queue and database it creates is removed on the way
-# out, also on failure. Single-threaded simulator (plus an RSS sampler), so it
-# takes as little as possible of the 2 cores from the holder.
+# holder(s) and of their PostgreSQL backends from /proc, and the holders' RSS.
+# Rules: bounded runtime (a window of --seconds plus start-up per round setting
+# and holder count); every process, queue and database it creates is removed on
+# the way out, also on failure. The simulator (benchmarks/holder_sim.py) runs in
+# --sim-processes processes (default 1), each single-threaded, so it takes as
+# little as possible of the 2 cores from the holders.
 #
 #   python -m benchmarks.holder_scale [--seconds 30] [--keys 10000] [--phases default]
+#       [--holders 1 2] [--sim-processes 1] [--settle 0] [--stagger 0] [--saturate]
 from __future__ import annotations
 
 import argparse
-import base64
-import heapq
 import importlib
 import json
 import os
@@ -38,11 +39,9 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -57,18 +56,11 @@ sys.path[:0] = [str(ROOT), str(APP_DIR)]
 holder_app = importlib.import_module("holder_app")
 
 from benchmarks.cluster import stop_process  # noqa: E402
-from durability_celery.queues import (  # noqa: E402
-    holder_queue_declaration,
-    reply_queue_declaration,
-)
+from benchmarks.holder_sim import CLIENTS, CLIENTS_PER_KEY, DEMAND, Simulators  # noqa: E402
 from durability_celery.settings import DurabilitySettings  # noqa: E402
-from durability_celery.wire.request import DemandEntry, GrantReport, Request  # noqa: E402
-from durability_celery.wire.routing import reply_queue  # noqa: E402
+from durability_celery.wire.routing import shard_for  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "holder_scale.txt"
-CLIENTS = 100
-CLIENTS_PER_KEY = 2
-DEMAND = 2
 LIMIT = CLIENTS_PER_KEY * DEMAND  # every round can serve the whole demand: keys stay busy
 PHASES = {"short": (0.01, 0.05), "default": (1.0, 2.0)}  # name: (round_wait, round_period)
 # Longer than a window, so no grant expires mid-run: a saturated holder answers
@@ -76,11 +68,6 @@ PHASES = {"short": (0.01, 0.05), "default": (1.0, 2.0)}  # name: (round_wait, ro
 # would be late claims (charged as leases), not the steady state measured here.
 GRANT_TIMEOUT = 120.0
 PREFIX = "dcscale"
-BURST = 500
-DRAIN_MAX = 0.05
-"""Longest uninterrupted drain of replies (s). Unbounded, a holder answering without a
-2 ms pause kept the simulator draining to the end of the window, sending nothing due."""
-"""Initial requests published between two reply drains, so early replies are timed fairly."""
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 REQUEST_TIMEOUT = DurabilitySettings().request_timeout
 """A worker asks again after it (client/ledger.py): replies later than this make load."""
@@ -107,19 +94,23 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK
 
 
-class RssSampler(threading.Thread):
-    """VmRSS of the holder every 0.25 s; VmHWM gives the kernel's own peak."""
+def _rss_kb(pids: list[int], field_name: str = "VmRSS") -> int:
+    return sum(_status_kb(pid, field_name) for pid in pids)
 
-    def __init__(self, pid: int) -> None:
+
+class RssSampler(threading.Thread):
+    """VmRSS of the holders (summed) every 0.25 s; VmHWM gives the kernel's own peak."""
+
+    def __init__(self, pids: list[int]) -> None:
         super().__init__(name="rss-sampler", daemon=True)
-        self.pid = pid
+        self.pids = pids
         self.peak_kb = 0
         self._halt = threading.Event()  # not `_stop`: threading.Thread has a method of that name
 
     def run(self) -> None:
         while not self._halt.wait(0.25):
             with suppress(FileNotFoundError):
-                self.peak_kb = max(self.peak_kb, _status_kb(self.pid, "VmRSS"))
+                self.peak_kb = max(self.peak_kb, _rss_kb(self.pids))
 
     def stop(self) -> None:
         self._halt.set()
@@ -151,169 +142,6 @@ class PgStats:
         return stats
 
 
-# --- the simulated clients ------------------------------------------------------
-
-
-@dataclass
-class Tally:
-    """What one window saw, from the replies."""
-
-    sent: int = 0
-    latencies: list[float] = field(default_factory=list)
-    rounds: set[tuple[str, float]] = field(default_factory=set)
-    messages_per_round: Counter[tuple[str, float]] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    granted: int = 0
-
-
-class Simulator:
-    """CLIENTS clients, each with its own reply queue, over `keys` keys of one semaphore.
-
-    Single-threaded: one kombu connection publishes every request and consumes
-    all reply queues; replies are matched to (client, key) by correlation id.
-    """
-
-    def __init__(self, durability: Any, semaphore: str, keys: int) -> None:
-        self.durability = durability
-        self.semaphore = semaphore
-        token = secrets.token_hex(3)
-        self.client_ids = [f"celery@scale-{i}/{token}" for i in range(CLIENTS)]
-        self.reply_queues = [reply_queue(durability.settings.queue_prefix, f"scale-{i}.{token}")
-                             for i in range(CLIENTS)]
-        # key k is served by clients 2k and 2k+1 (mod CLIENTS): 200 keys per client
-        self.pairs = [(f"scale-{k}", (k * CLIENTS_PER_KEY + j) % CLIENTS)
-                      for k in range(keys) for j in range(CLIENTS_PER_KEY)]
-        self.held: dict[tuple[str, int], dict[str, int]] = {}  # (key, client) -> grant -> permits
-        self.pending: dict[str, tuple[str, int, float]] = {}  # correlation -> key, client, sent
-        self.due: list[tuple[float, str, int]] = []  # heap of (epoch send time, key, client)
-        self.enqueued_at = time.time()
-        self.tally = Tally()
-        self._connection: Any = None
-        self._producer: Any = None
-        self._redis: Any = None
-
-    def __enter__(self) -> Simulator:
-        self._connection = self.durability.app.connection_for_write()
-        self._connection.ensure_connection(max_retries=3)
-        channel = self._connection.channel()
-        for name in self.durability.holder_queues():
-            holder_queue_declaration(name)(channel).declare()  # type: ignore[no-untyped-call]
-        for name in self.reply_queues:
-            reply_queue_declaration(name, expires=self.durability.settings.reply_expires)(
-                channel).declare()  # type: ignore[no-untyped-call]
-        self._producer = self._connection.Producer(serializer="json")
-        self._redis = redis.Redis.from_url(self.durability.app.conf.broker_url)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with suppress(Exception):
-            self._redis.close()
-        with suppress(Exception):
-            self._connection.release()
-
-    def send(self, key: str, client: int) -> None:
-        held = self.held.get((key, client), {})
-        request = Request(
-            type="request", client_id=self.client_ids[client],
-            demand=(DemandEntry(None, DEMAND, self.enqueued_at),),
-            grants=tuple(GrantReport(gid, permits, permits) for gid, permits in held.items()),
-        )
-        correlation_id = uuid.uuid4().hex
-        self.pending[correlation_id] = (key, client, time.monotonic())
-        self._producer.publish(
-            request.to_wire(semaphore=self.semaphore, key=key), exchange="",
-            routing_key=self.durability.queue_for(self.semaphore, key),
-            reply_to=self.reply_queues[client], correlation_id=correlation_id,
-            serializer="json",
-        )
-        self.tally.sent += 1
-
-    def receive(self, timeout: float) -> int:
-        """Take every reply waiting in the reply queues (one pipelined RPOP per queue),
-        or wait up to `timeout` for one; returns how many. Read straight from Redis:
-        kombu's consumer, one BRPOP over all 100 queues per message, fell behind a
-        holder answering a few hundred requests a second and left replies queued."""
-        pipe = self._redis.pipeline(transaction=False)
-        for name in self.reply_queues:
-            pipe.rpop(name, 1000)
-        taken = [raw for items in pipe.execute() for raw in items or ()]
-        if not taken and timeout > 0:
-            found = self._redis.brpop(self.reply_queues, timeout=max(timeout, 0.001))
-            taken = [found[1]] if found else []
-        for raw in taken:
-            self._on_reply(json.loads(raw))
-        return len(taken)
-
-    def _on_reply(self, message: dict[str, Any]) -> None:
-        received = time.monotonic()
-        properties = message.get("properties") or {}
-        found = self.pending.pop(str(properties.get("correlation_id")), None)
-        if found is None:
-            return  # the warm-up's, or an earlier window's
-        raw = message["body"]
-        if properties.get("body_encoding") == "base64":
-            raw = base64.b64decode(raw)
-        body = json.loads(raw)
-        key, client, sent = found
-        self.tally.latencies.append(received - sent)
-        if "error" in body:
-            self.tally.errors[str(body["error"].get("code"))] += 1
-            heapq.heappush(self.due, (time.time() + 1.0, key, client))
-            return
-        at = (key, float(body["round_at"]))
-        self.tally.rounds.add(at)
-        self.tally.messages_per_round[at] += 1
-        held = self.held.setdefault((key, client), {})
-        for grant in body["grants"]:
-            if grant["status"] == "active" and grant["claimed"] < grant["permits"]:
-                if grant["grant_id"] not in held:
-                    self.tally.granted += grant["permits"]
-                held[grant["grant_id"]] = grant["permits"]  # "run" now, reported next time
-            else:
-                held.pop(grant["grant_id"], None)
-        heapq.heappush(self.due, (float(body["next_request_at"]), key, client))
-
-    def drain(self, until: float) -> None:
-        """Take replies until none is waiting, `until` (monotonic) passes, or DRAIN_MAX
-        did: replies that never pause must not stop the requests due meanwhile."""
-        until = min(until, time.monotonic() + DRAIN_MAX)
-        while time.monotonic() < until and self.receive(0.0):
-            pass
-
-    def warm_up(self, timeout: float) -> None:
-        """One request, answered once the holder consumes: the window starts after it."""
-        self.send("warm-up", 0)
-        deadline = time.monotonic() + timeout
-        while self.pending:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the holder did not answer the warm-up request")
-            self.receive(0.5)
-        self.due.clear()
-        self.tally = Tally()
-
-    def run(self, seconds: float) -> float:
-        """Every (key, client) sends, then re-sends on schedule, for `seconds`; returns them."""
-        started = time.monotonic()
-        end = started + seconds
-        for n in range(0, len(self.pairs), BURST):
-            for key, client in self.pairs[n:n + BURST]:
-                self.send(key, client)
-            self.drain(end)
-        while time.monotonic() < end:
-            now = time.time()
-            while self.due and self.due[0][0] <= now:
-                _, key, client = heapq.heappop(self.due)
-                self.send(key, client)
-            wait = 0.05 if not self.due else min(0.05, max(0.0, self.due[0][0] - now))
-            self.receive(wait)
-            self.drain(end)
-        return time.monotonic() - started
-
-    def unanswered_ages(self) -> list[float]:
-        now = time.monotonic()
-        return [now - sent for _, _, sent in self.pending.values()]
-
-
 # --- the holder process and the database --------------------------------------
 
 
@@ -325,12 +153,15 @@ def _create_database(admin: psycopg.Connection[Any], admin_url: str) -> tuple[st
 
 
 @contextmanager
-def _holder(config: dict[str, Any], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _holder(config: dict[str, Any], log: Path,
+            shards: str | None = None) -> Iterator[subprocess.Popen[bytes]]:
     env = {**os.environ, holder_app.CONFIG_ENV: json.dumps(config),
            "PYTHONPATH": os.pathsep.join([str(APP_DIR), str(ROOT)])}
     cmd = [sys.executable, "-m", "celery", "-A", "holder_app", "worker", "--durability-holder",
            "--pool=solo", f"--queues={PREFIX}.holder.control", "--loglevel=WARNING",
            "--without-mingle", "--without-gossip", f"--hostname=scale-{secrets.token_hex(3)}@%h"]
+    if shards is not None:
+        cmd.append(f"--durability-shards={shards}")
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)
@@ -340,36 +171,63 @@ def _holder(config: dict[str, Any], log: Path) -> Iterator[subprocess.Popen[byte
         stop_process(proc, grace=20.0)
 
 
+def shard_ranges(holders: int, shards: int) -> list[tuple[int, int]]:
+    """(first, last) shard of each of `holders` holders: contiguous, as even as can be."""
+    bounds = [round(n * shards / holders) for n in range(holders + 1)]
+    return [(bounds[n], bounds[n + 1] - 1) for n in range(holders)]
+
+
+def _warm_keys(semaphore: str, ranges: list[tuple[int, int]], shards: int) -> list[str]:
+    """A key served by each holder: the window starts once every holder answers."""
+    keys = []
+    for first, last in ranges:
+        keys.append(next(key for n in range(100_000) if first <= shard_for(
+            semaphore, key := f"warm-up-{n}", shards) <= last))
+    return keys
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: after[name] - before[name] for name in after}
 
 
-def measure_phase(name: str, config: dict[str, Any], durability: Any, stats: PgStats,
-                  keys: int, seconds: float, log: Path) -> dict[str, Any]:
+def measure_phase(name: str, config: dict[str, Any], stats: PgStats, keys: int, seconds: float,
+                  log: Path, holders: int = 1, sim_processes: int = 1, settle: float = 0.0,
+                  stagger: float = 0.0, saturate: bool = False) -> dict[str, Any]:
     wait, period = PHASES[name]
     redis.Redis.from_url(config["broker_url"]).flushdb()
-    # This phase's holder serves only this phase's semaphore: the keys and the
-    # outstanding grants of an earlier phase stay out of its scheduler and scans.
+    # This phase's holders serve only this phase's semaphore: the keys and the
+    # outstanding grants of an earlier phase stay out of their schedulers and scans.
     only = {**config, "semaphores": [s for s in config["semaphores"] if s["name"] == name]}
-    with _holder(only, log) as proc, Simulator(durability, name, keys) as sim:
-        sim.warm_up(timeout=60.0)
-        rss_before = _status_kb(proc.pid, "VmRSS")
-        sampler = RssSampler(proc.pid)
+    shards = DurabilitySettings(**config["settings"]).shards
+    ranges = shard_ranges(holders, shards)
+    with ExitStack() as stack:
+        procs = [stack.enter_context(_holder(only, log, None if holders == 1 else
+                                             f"{first}-{last}"))
+                 for first, last in ranges]
+        sims = Simulators(only, name, keys, sim_processes, _warm_keys(name, ranges, shards),
+                          (seconds, settle, stagger), saturate)
+        stack.callback(sims.close)
+        sims.ready(timeout=90.0)
+        sims.start()
+        time.sleep(settle)  # the simulators tally from then on too
+        pids = [proc.pid for proc in procs]
+        rss_before = _rss_kb(pids)
+        sampler = RssSampler(pids)
         sampler.start()
-        pg_before, cpu_before, own_before = stats.read(), _cpu_s(proc.pid), time.process_time()
-        elapsed = sim.run(seconds)
+        pg_before, cpu_before = stats.read(), sum(_cpu_s(pid) for pid in pids)
+        elapsed, tally = sims.results(timeout=seconds + 60.0)
         pg = _delta(stats.read(), pg_before)
-        cpu, own = _cpu_s(proc.pid) - cpu_before, time.process_time() - own_before
+        cpu = sum(_cpu_s(pid) for pid in pids) - cpu_before
         sampler.stop()
-        rss_after, hwm = _status_kb(proc.pid, "VmRSS"), _status_kb(proc.pid, "VmHWM")
-        unanswered = sim.unanswered_ages()
-        alive = proc.poll() is None
-    tally = sim.tally
+        rss_after, hwm = _rss_kb(pids), _rss_kb(pids, "VmHWM")
+        alive = all(proc.poll() is None for proc in procs)
+    unanswered = tally.unanswered
     rounds = len(tally.rounds)
     per_key = Counter(key for key, _ in tally.rounds)
     latencies = sorted(tally.latencies)
     return {
-        "phase": name, "round_wait": wait, "round_period": period, "seconds": elapsed,
+        "phase": name if holders == 1 else f"{name}, {holders} holders", "setting": name,
+        "holders": holders, "round_wait": wait, "round_period": period, "seconds": elapsed,
         "holder_alive": alive, "requests_sent": tally.sent, "answered": len(latencies),
         "unanswered": len(unanswered),
         "unanswered_median_age_s": statistics.median(unanswered) if unanswered else 0.0,
@@ -380,7 +238,7 @@ def measure_phase(name: str, config: dict[str, Any], durability: Any, stats: PgS
         "messages_per_round": (sum(tally.messages_per_round.values()) / rounds
                                if rounds else float("nan")),
         "p50_ms": 1000 * _quantile(latencies, 0.50), "p99_ms": 1000 * _quantile(latencies, 0.99),
-        "pg": pg, "holder_cpu_s": cpu, "simulator_cpu_s": own,
+        "pg": pg, "holder_cpu_s": cpu, "simulator_cpu_s": tally.cpu_s,
         "rss_before_mb": rss_before / 1024, "rss_after_mb": rss_after / 1024,
         "rss_peak_mb": max(hwm, sampler.peak_kb) / 1024,
     }
@@ -436,18 +294,36 @@ def render(rows: list[dict[str, Any]], keys: int, header: list[str]) -> str:
     lines = [*header, "", f"{'figure':<{width}}  " + "  ".join(f"{r['phase']:>18}" for r in rows)]
     lines += [f"{label:<{width}}  " + "  ".join(f"{show(r):>18}" for r in rows)
               for label, show in FIGURES]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _ratios(rows)) + "\n"
 
 
-def _header(keys: int, seconds: float, took: float) -> list[str]:
+def _ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """Per round setting run with several holder counts: rounds/s against one holder."""
+    lines = []
+    for row in rows:
+        one = next((r for r in rows if r["setting"] == row["setting"] and r["holders"] == 1),
+                   None)
+        if row["holders"] > 1 and one is not None and one["rounds_per_s"] > 0:
+            lines.append(f"{row['setting']}: {row['holders']} holders serve "
+                         f"{row['rounds_per_s'] / one['rounds_per_s']:.2f} x the rounds per "
+                         f"second of one ({row['rounds_per_s']:.1f} / {one['rounds_per_s']:.1f})")
+    return ["", *lines] if lines else []
+
+
+def _header(keys: int, seconds: float, took: float, args: argparse.Namespace) -> list[str]:
     return [
         f"Holder scale through a real holder: {keys} keys x {CLIENTS_PER_KEY} of {CLIENTS} "
         f"simulated clients, limit {LIMIT}, demand {DEMAND} per client and key, "
         f"grant_timeout {GRANT_TIMEOUT:.0f} s,",
         "one `celery worker --durability-holder` (pool solo, default round_threads 4, 16 shards) "
-        "on Redis + PostgreSQL;",
+        "on Redis + PostgreSQL",
+        "(\"N holders\": N such processes on split --durability-shards ranges, one database; "
+        "their CPU and RSS summed);",
         f"per round setting a fresh holder serving only that setting, and a {seconds:.0f} s "
-        "window.",
+        f"window after {args.settle:g} s of load; the first requests "
+        + (f"spread over {args.stagger:g} s" if args.stagger else "all at once")
+        + f"; the simulator in {args.sim_processes} process(es)"
+        + ("; clients ignore stretched periods (--saturate)." if args.saturate else "."),
         "Latency: request published -> reply consumed, answered requests only; PG figures are "
         "pg_stat_database deltas of the run's database.",
         f"python {platform.python_version()}, {platform.platform()}, {os.cpu_count()} CPUs, "
@@ -465,6 +341,21 @@ def main() -> int:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/13")
     parser.add_argument("--pg-admin", default=os.environ.get(
         "DC_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--holders", nargs="+", type=int, default=[1],
+                        help="holder processes per round setting, each count in turn "
+                             "(e.g. 1 2: one, then two on split shard ranges, and the ratio)")
+    parser.add_argument("--sim-processes", type=int, default=1,
+                        help="simulator processes sharing the clients")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds of load before each window (not measured): the "
+                             "window then sees the holder past the first requests")
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="send the first requests evenly over this many seconds "
+                             "(default: all at once)")
+    parser.add_argument("--saturate", action="store_true",
+                        help="clients ask again a round_period after each round, ignoring "
+                             "the longer periods a holder behind tells: rounds per second "
+                             "is then what the holder(s) can serve")
     args = parser.parse_args()
 
     started = time.monotonic()
@@ -484,10 +375,15 @@ def main() -> int:
         next(iter(durability.semaphores.values())).migrate()  # one database for all of them
         stats = PgStats(admin, name)
         for phase in args.phases:
-            row = measure_phase(phase, config, durability, stats, args.keys, args.seconds, log)
-            rows.append(row)
-            print(f"{phase}: {row['rounds_per_s']:.1f} rounds/s, "
-                  f"p50 {row['p50_ms']:.0f} ms, {row['unanswered']} unanswered", flush=True)
+            for holders in args.holders:
+                row = measure_phase(phase, config, stats, args.keys, args.seconds, log,
+                                    holders=holders, sim_processes=args.sim_processes,
+                                    settle=args.settle, stagger=args.stagger,
+                                    saturate=args.saturate)
+                rows.append(row)
+                print(f"{row['phase']}: {row['rounds_per_s']:.1f} rounds/s, "
+                      f"p50 {row['p50_ms']:.0f} ms, {row['unanswered']} unanswered",
+                      flush=True)
     finally:
         for semaphore in durability.semaphores.values():
             semaphore.close()
@@ -495,7 +391,7 @@ def main() -> int:
         admin.close()
         redis.Redis.from_url(args.redis).flushdb()
     took = time.monotonic() - started
-    text = render(rows, args.keys, _header(args.keys, args.seconds, took))
+    text = render(rows, args.keys, _header(args.keys, args.seconds, took, args))
     warnings = _log_lines(log)
     if warnings:
         text += "\nholder log, WARNING and above (most frequent first):\n" + warnings

@@ -165,6 +165,75 @@ def test_requeue_first_leaves_other_transports_to_their_broker(tmp_path: Path) -
         message.ack()
 
 
+# The holder's own push of replies: the text and the list kombu's Producer uses.
+
+@pytest.mark.parametrize("body", [
+    {"round_at": 1764806400.125, "grants": [{"grant_id": "g1", "group": None}]},
+    {"error": {"code": "x", "message": "caf\u00e9 \u2603 \"q\""}}, {"n": 2 ** 70}, [],
+])
+@pytest.mark.parametrize("correlation_id", ["c-1", None])
+def test_a_redis_envelope_is_the_text_kombus_producer_pushes(
+        body: Any, correlation_id: str | None) -> None:
+    import redis
+
+    from durability_celery.compat.wire import redis_envelope, redis_list_of
+
+    url = redis_db_url(0)
+    server = redis.Redis.from_url(url)
+    server.delete("dc.compat.envelope")
+    with Connection(url) as connection:
+        producer = connection.Producer(serializer="json")
+        compat.tag_deliveries(producer.channel, lambda: "tag-1")
+        producer.publish(body, exchange="", routing_key="dc.compat.envelope",
+                         correlation_id=correlation_id, serializer="json")
+        mine = redis_envelope(producer.channel, body, routing_key="dc.compat.envelope",
+                              correlation_id=correlation_id, delivery_tag="tag-1")
+        target = redis_list_of(producer.channel)("dc.compat.envelope")
+    assert target == "dc.compat.envelope"
+    assert server.lrange(target, 0, -1) == [mine.encode()]
+    server.delete(target)
+
+
+# kombu's JSON decoding, through Python's shared decoder where the result is the same.
+
+JSON_TEXTS = [
+    '{"type": "request", "key": "k", "demand": [{"group": null, "count": 2}]}',
+    '{"when": {"__type__": "datetime", "__value__": "2026-01-02T03:04:05"}}',  # kombu's marker
+    '{"\\u005f_type__": "uuid", "__value__": "0b8d4a2e-1c6f-4d8a-9e0f-2a3b4c5d6e7f"}',
+    '{"x": "caf\\u00e9"}', '[1, 2.5, true, null]', '"text"', '{"broken": ', '',
+]
+
+
+def _outcome(call: Any, *args: Any) -> tuple[str, Any]:
+    try:
+        return "ok", call(*args)
+    except Exception as exc:
+        return "error", type(exc)
+
+
+@pytest.mark.parametrize("text", JSON_TEXTS)
+def test_json_loads_is_kombus(text: str) -> None:
+    from kombu.utils.json import loads
+
+    from durability_celery.compat.wire import json_loads
+
+    assert _outcome(json_loads, text) == _outcome(loads, text)
+
+
+@pytest.mark.parametrize("body", [text.encode() for text in JSON_TEXTS] + [b"\xff{}"])
+@pytest.mark.parametrize("content_type", ["application/json", "application/x-yaml"])
+def test_decoded_json_is_kombus_decode(body: bytes, content_type: str) -> None:
+    from kombu.message import Message
+
+    from durability_celery.compat.wire import decoded_json
+
+    def message() -> Any:
+        return Message(body=body, content_type=content_type, content_encoding="utf-8",
+                       accept=["json"])
+
+    assert _outcome(decoded_json, message()) == _outcome(lambda: message().decode())
+
+
 # filesystem _exchange_file (kombu PR #2645) and the temporary name (kombu #2646/#2647)
 
 def test_exchange_file_without_kombus_helper(tmp_path: Path) -> None:

@@ -14,10 +14,12 @@
 #   compat/broker.py    kombu publishing and the filesystem transport's paths
 #   compat/filesystem.py  kombu's filesystem channel with atomic writes
 #   compat/redis_qos.py kombu's virtual and Redis QoS (unacked records, restore)
+#   compat/wire.py      kombu's wire text: a message pushed on Redis, JSON decoding
 #   compat/worker.py    Celery's worker: state, strategy, consumer, pools, requests
 #
 # Only this module and broker.py load at import: the others import Celery's
-# worker or kombu's transports, which a plain producer process never needs.
+# worker or kombu's transports or utilities, which a plain producer process never
+# needs.
 from __future__ import annotations
 
 import re

@@ -89,16 +89,17 @@ class _Room:
 def room_of(ledger: Ledger, limit: int) -> _Room:
     """What the ledger's grants and leases hold, against `limit`, in all and per group."""
     group_used: dict[str | None, int] = defaultdict(int)
+    grants_out = lease_footprint = 0
     for grant in ledger.grants.values():
-        group_used[grant.group] += grant.footprint
+        footprint = grant.footprint
+        group_used[grant.group] += footprint
+        grants_out += footprint
     for lease in ledger.leases.values():
-        group_used[lease.group] += lease.footprint
-    return _Room(
-        limit=limit,
-        grants_out=sum(g.footprint for g in ledger.grants.values()),
-        lease_footprint=sum(le.footprint for le in ledger.leases.values()),
-        group_used=group_used,
-    )
+        footprint = lease.footprint
+        group_used[lease.group] += footprint
+        lease_footprint += footprint
+    return _Room(limit=limit, grants_out=grants_out, lease_footprint=lease_footprint,
+                 group_used=group_used)
 
 
 def _refusal(limits: ResolvedLimits, demand: Demand) -> BlockedReason | None:

@@ -24,19 +24,21 @@ kept for a while spares most report rounds a rewrite of the key's clients row.""
 def mark_seen(state: KeyState, heard: set[str], now: float) -> KeyState:
     """Stamp the clients heard from this round (see SEEN_RESOLUTION); keep only clients
     that still hold something."""
-    holding = holders(state)
-    seen = {c.client_id: c.last_seen_at for c in state.clients}
+    return replace(state, clients=seen(state.clients, holders(state), heard, now))
+
+
+def seen(clients: tuple[ClientSeen, ...], holding: set[str], heard: set[str],
+         now: float) -> tuple[ClientSeen, ...]:
+    """`mark_seen`'s stamps, by client id, for a state whose clients are `clients` and
+    whose grants and leases are held by `holding`."""
+    stamps = {c.client_id: c.last_seen_at for c in clients}
     for client_id in heard:
-        stamp = seen.get(client_id)
+        stamp = stamps.get(client_id)
         if stamp is None or now - stamp >= SEEN_RESOLUTION:
-            seen[client_id] = now
-    clients = tuple(
-        ClientSeen(client_id, at) for client_id, at in sorted(seen.items()) if client_id in holding
-    )
+            stamps[client_id] = now
     # A holder with no stamp (state written before stamps existed) counts as seen now.
-    missing = holding - {c.client_id for c in clients}
-    clients += tuple(ClientSeen(client_id, now) for client_id in sorted(missing))
-    return replace(state, clients=tuple(sorted(clients, key=lambda c: c.client_id)))
+    return tuple(ClientSeen(client_id, stamps.get(client_id, now))
+                 for client_id in sorted(holding))
 
 
 @dataclass(frozen=True)

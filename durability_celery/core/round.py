@@ -15,7 +15,7 @@ from ..wire.error import error_response
 from ..wire.reply import Blocked
 from ..wire.request import Request, parse_request
 from .allocate import Allocation, Demand, allocate, room_of
-from .clients import mark_seen
+from .clients import seen
 from .config import Over, RoundConfig
 from .keystate import KeyState, LimitSource, worst_reason
 from .ledger import Ledger
@@ -100,21 +100,29 @@ def reclaim(state: KeyState, *, config: RoundConfig, now: float) -> KeyState:
     unacknowledged ones, with no messages."""
     ledger = Ledger.of(state.grants, state.leases)
     _prepare(ledger, config, now)
-    return mark_seen(_with(state, ledger, config), set(), now)
+    return _with(state, ledger, config, set(), now)
 
 
-def _with(state: KeyState, ledger: Ledger, config: RoundConfig, **changes: Any) -> KeyState:
-    return with_lease_deadline(replace(
-        state, grants=tuple(ledger.grants.values()), leases=tuple(ledger.leases.values()),
-        **changes,
-    ), config)
+def _with(state: KeyState, ledger: Ledger, config: RoundConfig, heard: set[str], now: float,
+          **changes: Any) -> KeyState:
+    """`state` with the ledger's grants and leases, their lease deadline, the clients
+    `heard` stamped (clients.mark_seen) and `changes`, made at once."""
+    grants, leases = tuple(ledger.grants.values()), tuple(ledger.leases.values())
+    holding = {g.client_id for g in grants} | {le.client_id for le in leases}
+    return replace(state, grants=grants, leases=leases,
+                   lease_deadline=_lease_deadline(leases, config),
+                   clients=seen(state.clients, holding, heard, now), **changes)
 
 
 def with_lease_deadline(state: KeyState, config: RoundConfig) -> KeyState:
     """`state` with its `lease_deadline` computed: whatever changes a state's leases
     outside a round or alarm (forgetting a client) calls this before it is saved."""
-    deadlines = [at for le in state.leases if (at := le.acknowledge_by(config.grant_timeout))]
-    return replace(state, lease_deadline=min(deadlines, default=None))
+    return replace(state, lease_deadline=_lease_deadline(state.leases, config))
+
+
+def _lease_deadline(leases: tuple[Lease, ...], config: RoundConfig) -> float | None:
+    deadlines = [at for le in leases if (at := le.acknowledge_by(config.grant_timeout))]
+    return min(deadlines, default=None)
 
 
 def _blocked(allocation: Allocation) -> tuple[Blocked, ...]:
@@ -178,13 +186,12 @@ def run_round(
         ledger.grants[grant.grant_id] = grant
     for lease in allocation.leases:
         ledger.leases[lease.lease_id] = lease
+    heard = {r.client_id for r in checked if isinstance(r, Request)}
     new_state = _with(
-        state, ledger, config, last_round_at=now, rounds=state.rounds + 1,
+        state, ledger, config, heard, now, last_round_at=now, rounds=state.rounds + 1,
         limit=resolved.limit if resolved.limit is not None else state.limit,
         blocked=_blocked(allocation),
     )
-    heard = {r.client_id for r in checked if isinstance(r, Request)}
-    new_state = mark_seen(new_state, heard, now)
     index = ClientIndex(new_state, ledger, allocation,
                         config.leases.ttl if config.leases is not None else None,
                         config.grant_timeout)

@@ -14,6 +14,7 @@ from typing import Any
 
 from kombu.messaging import Consumer
 
+from ..compat.wire import decoded_json
 from ..errors import InvalidMessage
 from ..queues import holder_queue_declaration
 from ..wire.request import MAX_BODY_BYTES, check_key
@@ -198,7 +199,7 @@ class HolderConsumer(threading.Thread):
                          f"message of {size} bytes exceeds {MAX_BODY_BYTES}")
             return None
         try:
-            body = message.decode()
+            body = decoded_json(message)
         except Exception as exc:
             self._reject(reply_to, correlation_id, "invalid_message",
                          f"not a JSON message: {type(exc).__name__}")

@@ -2,9 +2,10 @@
 # shard queues, taken on Redis by one script that RPOPs every list kombu's BRPOP
 # reads (one command: a pipeline of one RPOP per list cost more to pack and parse
 # than the few requests a wake-up often finds). Rule: only how entries leave Redis
-# differs: each one is parsed and delivered by kombu itself (the transport's
-# `_deliver`, kombu's Message and the consumer's callbacks), so a request taken here
-# is accepted, decoded and rejected exactly as one taken by BRPOP. Every other
+# differs: each one is parsed as kombu parses it (compat.json_loads: the same
+# result) and delivered by kombu itself (the transport's `_deliver`, kombu's
+# Message and the consumer's callbacks), so a request taken here is accepted,
+# decoded and rejected exactly as one taken by BRPOP. Every other
 # transport, a Redis before 6.2 (no RPOP count) and a channel with a
 # global_keyprefix (whose client rewrites a script's keys) take one message per
 # drain_events.
@@ -15,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
 from redis.exceptions import RedisError, ResponseError
 
 from .. import compat
+from ..compat.wire import json_loads
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -88,7 +89,7 @@ def redis_drain(connection: Any, channel: Any, queue_names: list[str]) -> Drain 
 
 def _deliver_one(deliver: Callable[[Any, str], None], entry: bytes, queue: str) -> None:
     try:
-        payload = loads(bytes_to_str(entry))  # type: ignore[no-untyped-call]
+        payload = json_loads(bytes_to_str(entry))  # type: ignore[no-untyped-call]
     except ValueError as exc:
         # As after BRPOP: an entry that is not a kombu message is gone, carry on.
         logger.warning("durability holder: dropped an undecodable broker entry: %r", exc)

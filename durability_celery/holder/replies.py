@@ -1,7 +1,10 @@
 # Publishes the holder's answers to the clients' reply queues, on its own kombu
 # connection. Rule: only the dispatcher thread calls it (kombu connections are
 # not thread-safe), and a failed publish is logged and dropped: the client
-# times out and asks again, the round's effects are already committed.
+# times out and asks again, the round's effects are already committed. On Redis
+# a batch's replies are pushed by the holder itself, as the exact text kombu's
+# Producer would push (compat.redis_envelope), in one pipeline with their queues'
+# expiry: kombu's publish cost more per reply than the round that made it.
 from __future__ import annotations
 
 import logging
@@ -12,12 +15,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from .. import compat
+from ..compat.wire import redis_envelope, redis_list_of
 
 logger = logging.getLogger("durability_celery.holder")
 
 RETRY_POLICY = {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5, "interval_max": 2.0}
 """Bounded: a dead broker must not stall the holder's rounds for long."""
 
+PUSH_MAX = 1000
+"""Replies buffered in a Redis batch before they are pushed (as kombu's batches)."""
 _TAGS_PER_READ = 256
 _tags: list[str] = []
 # A forked child must not hand out the tags its parent may hand out too.
@@ -59,17 +65,20 @@ class ReplyPublisher:
         self._pushed: list[str] = []
         """With expire_by_hand: queues pushed to and not yet expired (until the open batch
         is sent, or just after a reply sent at once)."""
+        self._pushes: _RedisPushes | None = None
+        """On Redis without a key prefix: a batch's replies, pushed by hand."""
 
     @contextmanager
     def batch(self) -> Iterator[None]:
-        """Send the replies published inside together, when it ends (kombu's
-        Producer.batch). On Redis that is one pipeline and one round trip, where each
-        reply alone takes a client and a MULTI/EXEC of its own, holding the interpreter
-        lock the round threads need. Transports without batches (RabbitMQ)
-        publish each reply at once. The buffered replies are sent also when the body
-        raises: their rounds are committed, and their clients should hear of them. A
-        batch with no reply in it touches no connection. A kombu without batches
-        (compat.open_publish_batch) publishes each reply at once."""
+        """Send the replies published inside together, when it ends. On Redis (without
+        a key prefix) the publisher pushes them itself, on every kombu, in one pipeline
+        and one round trip per PUSH_MAX replies, where each reply alone takes a client
+        and a MULTI/EXEC of its own, holding the interpreter lock the round threads
+        need. Elsewhere kombu's Producer.batch does, where kombu has it
+        (compat.open_publish_batch); transports without batches (RabbitMQ) publish
+        each reply at once. The buffered replies are sent also when the body raises:
+        their rounds are committed, and their clients should hear of them. A batch
+        with no reply in it touches no connection."""
         self._batching = True
         try:
             yield
@@ -82,6 +91,14 @@ class ReplyPublisher:
         broker refused it."""
         try:
             producer = self._ensure_producer()
+            if self._batching and self._pushes is not None:
+                self._pushes.add(reply_to, correlation_id, body)
+                self._pushed.append(reply_to)
+                if len(self._pushes) >= PUSH_MAX:
+                    self._push()
+                if self._sent is not None:
+                    self._sent(body)
+                return True
             if self._batching and self._open is None:
                 self._open = compat.open_publish_batch(producer)
                 if self._open is not None:
@@ -107,7 +124,23 @@ class ReplyPublisher:
             self.close()
             return False
 
+    def _push(self) -> None:
+        """Send the buffered Redis replies and their queues' expiry, in one round trip."""
+        pushes = self._pushes
+        if pushes is None or not len(pushes):
+            return
+        pushed, self._pushed = self._pushed, []
+        channel = self._producer.channel
+        expiring = compat.redis_lists(channel, list(dict.fromkeys(pushed)))
+        count = len(pushes)
+        try:
+            pushes.send([name for name, _ in expiring], self._reply_expires_ms)
+        except Exception as exc:  # as kombu's batch: delivery is uncertain; clients ask again
+            logger.warning("durability holder: %d replies dropped: %r", count, exc)
+            self.close()
+
     def _flush(self) -> None:
+        self._push()
         pending, self._open = self._open, None
         count, self._batched = self._batched, 0
         if pending is None:
@@ -148,7 +181,11 @@ class ReplyPublisher:
             self._pushed.clear()
             self._expire_by_hand = self._connection.transport.driver_type == "redis"
             if self._expire_by_hand:  # kombu's Redis channel tags each message itself
-                compat.tag_deliveries(self._producer.channel, _delivery_tag)
+                channel = self._producer.channel
+                compat.tag_deliveries(channel, _delivery_tag)
+                # A key prefix is the client's to add: kombu's own publish keeps it.
+                if not getattr(channel, "global_keyprefix", ""):
+                    self._pushes = _RedisPushes(channel)
         return self._producer
 
     def close(self) -> None:
@@ -161,9 +198,43 @@ class ReplyPublisher:
             except Exception as exc:
                 logger.debug("durability holder: discarding a reply batch: %r", exc)
         self._pushed.clear()
+        if self._pushes is not None and len(self._pushes):
+            logger.warning("durability holder: %d replies dropped", len(self._pushes))
+        self._pushes = None
         connection, self._connection, self._producer = self._connection, None, None
         if connection is not None:
             try:
                 connection.release()
             except Exception as exc:  # closing a broken connection may fail again
                 logger.debug("durability holder: closing reply connection: %r", exc)
+
+
+class _RedisPushes:
+    """Replies buffered for one Redis channel, each as the text kombu would push."""
+
+    def __init__(self, channel: Any) -> None:
+        self._channel = channel
+        self._list_of = redis_list_of(channel)
+        self._lists: dict[str, list[str]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, reply_to: str, correlation_id: str | None, body: dict[str, Any]) -> None:
+        text = redis_envelope(self._channel, body, routing_key=reply_to,
+                              correlation_id=correlation_id, delivery_tag=_delivery_tag())
+        self._lists.setdefault(self._list_of(reply_to), []).append(text)
+        self._count += 1
+
+    def send(self, expire: list[str], expire_ms: int) -> None:
+        """LPUSH the buffered replies (one command per list: the same order as one LPUSH
+        each), then PEXPIRE the lists in `expire`; the buffer is empty after, sent or not."""
+        lists, self._lists, self._count = self._lists, {}, 0
+        with self._channel.conn_or_acquire() as client, \
+                client.pipeline(transaction=False) as pipe:
+            for name, texts in lists.items():
+                pipe.lpush(name, *texts)
+            for name in expire:
+                pipe.pexpire(name, expire_ms)
+            pipe.execute()

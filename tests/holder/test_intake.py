@@ -234,3 +234,31 @@ def test_a_redis_that_refuses_scripts_is_served_one_message_at_a_time(
     warned = [r.getMessage() for r in caplog.records]
     assert any("one at a time" in m for m in warned), warned
     assert not any("connection lost" in m for m in warned), warned
+
+
+def test_plain_json_requests_skip_kombus_decoder_and_marked_ones_take_it(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # compat.decoded_json: the same result as kombu's Message.decode, which runs only for
+    # a body its object hook could change (kombu's type marker, or a \u escape).
+    from kombu.message import Message
+
+    decoded: list[Any] = []
+    kombus = Message.decode
+
+    def counted(message: Any) -> Any:
+        if b'"type": "request"' in message.body:  # not the test's own reply consumer's
+            decoded.append(message.body)
+        return kombus(message)
+
+    monkeypatch.setattr(Message, "decode", counted)
+    plain = [rig.send({**GOOD, "key": f"p{n}"}, serializer="json") for n in range(5)]
+    escaped = rig.send({**GOOD, "key": "caf\u00e9"}, serializer="json")
+    marked = rig.send({**GOOD, "key": "m", "client_id": {"__type__": "uuid",
+                                                          "__value__": str(uuid.uuid4())}},
+                      serializer="json")
+    rig.start()
+    rig.wait([*plain, escaped, marked])
+    assert all([g["permits"] for g in rig.replies[c]["grants"]] == [1]
+               for c in [*plain, escaped])
+    assert rig.replies[marked]["error"]["code"] == "invalid_message"  # a UUID, not a string
+    assert len(decoded) == 2 and b"__type__" in decoded[1] and b"\\u00e9" in decoded[0]
