@@ -56,7 +56,7 @@ sys.path[:0] = [str(ROOT), str(APP_DIR)]
 holder_app = importlib.import_module("holder_app")
 
 from benchmarks.cluster import stop_process  # noqa: E402
-from benchmarks.holder_sim import CLIENTS, CLIENTS_PER_KEY, DEMAND, Simulators  # noqa: E402
+from benchmarks.holder_sim import CLIENTS, CLIENTS_PER_KEY, DEMAND, Simulators, Tally  # noqa: E402
 from durability_celery.settings import DurabilitySettings  # noqa: E402
 from durability_celery.wire.routing import shard_for  # noqa: E402
 
@@ -221,14 +221,24 @@ def measure_phase(name: str, config: dict[str, Any], stats: PgStats, keys: int, 
         sampler.stop()
         rss_after, hwm = _rss_kb(pids), _rss_kb(pids, "VmHWM")
         alive = all(proc.poll() is None for proc in procs)
+    return {
+        "phase": name if holders == 1 else f"{name}, {holders} holders", "setting": name,
+        "holders": holders, "round_wait": wait, "round_period": period, "seconds": elapsed,
+        "holder_alive": alive, **_tallied(tally, elapsed),
+        "pg": pg, "holder_cpu_s": cpu, "simulator_cpu_s": tally.cpu_s,
+        "rss_before_mb": rss_before / 1024, "rss_after_mb": rss_after / 1024,
+        "rss_peak_mb": max(hwm, sampler.peak_kb) / 1024,
+    }
+
+
+def _tallied(tally: Tally, elapsed: float) -> dict[str, Any]:
+    """The figures of a phase that come from the simulators' merged tally."""
     unanswered = tally.unanswered
     rounds = len(tally.rounds)
     per_key = Counter(key for key, _ in tally.rounds)
     latencies = sorted(tally.latencies)
     return {
-        "phase": name if holders == 1 else f"{name}, {holders} holders", "setting": name,
-        "holders": holders, "round_wait": wait, "round_period": period, "seconds": elapsed,
-        "holder_alive": alive, "requests_sent": tally.sent, "answered": len(latencies),
+        "requests_sent": tally.sent, "answered": len(latencies),
         "unanswered": len(unanswered),
         "unanswered_median_age_s": statistics.median(unanswered) if unanswered else 0.0,
         "errors": dict(tally.errors), "permits_granted": tally.granted,
@@ -238,9 +248,6 @@ def measure_phase(name: str, config: dict[str, Any], stats: PgStats, keys: int, 
         "messages_per_round": (sum(tally.messages_per_round.values()) / rounds
                                if rounds else float("nan")),
         "p50_ms": 1000 * _quantile(latencies, 0.50), "p99_ms": 1000 * _quantile(latencies, 0.99),
-        "pg": pg, "holder_cpu_s": cpu, "simulator_cpu_s": tally.cpu_s,
-        "rss_before_mb": rss_before / 1024, "rss_after_mb": rss_after / 1024,
-        "rss_peak_mb": max(hwm, sampler.peak_kb) / 1024,
     }
 
 
@@ -332,7 +339,7 @@ def _header(keys: int, seconds: float, took: float, args: argparse.Namespace) ->
     ]
 
 
-def main() -> int:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=30.0, help="window per round setting")
     parser.add_argument("--keys", type=int, default=10_000)
@@ -356,8 +363,11 @@ def main() -> int:
                         help="clients ask again a round_period after each round, ignoring "
                              "the longer periods a holder behind tells: rounds per second "
                              "is then what the holder(s) can serve")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> int:
+    args = _arguments()
     started = time.monotonic()
     admin = psycopg.connect(args.pg_admin, autocommit=True)
     name, database = _create_database(admin, args.pg_admin)
