@@ -8,12 +8,6 @@ from dataclasses import dataclass, replace
 
 from .keystate import ClientSeen, KeyState
 
-
-def holders(state: KeyState) -> set[str]:
-    """Clients that hold at least one grant or lease of this key."""
-    return {g.client_id for g in state.grants} | {le.client_id for le in state.leases}
-
-
 SEEN_RESOLUTION = 5.0
 """Seconds a client's last-seen stamp may lag: a client heard again sooner keeps it.
 Reconciliation, its only reader, needs no finer (reconcile_after is at least 10 s, and
@@ -21,16 +15,11 @@ a client heard every round_period is never staler than this plus that), and a st
 kept for a while spares most report rounds a rewrite of the key's clients row."""
 
 
-def mark_seen(state: KeyState, heard: set[str], now: float) -> KeyState:
-    """Stamp the clients heard from this round (see SEEN_RESOLUTION); keep only clients
-    that still hold something."""
-    return replace(state, clients=seen(state.clients, holders(state), heard, now))
-
-
 def seen(clients: tuple[ClientSeen, ...], holding: set[str], heard: set[str],
          now: float) -> tuple[ClientSeen, ...]:
-    """`mark_seen`'s stamps, by client id, for a state whose clients are `clients` and
-    whose grants and leases are held by `holding`."""
+    """A round's new clients, by client id, for a state whose clients are `clients` and
+    whose grants and leases are held by `holding`: the clients `heard` from stamped (see
+    SEEN_RESOLUTION), and only clients that still hold something kept."""
     stamps = {c.client_id: c.last_seen_at for c in clients}
     for client_id in heard:
         stamp = stamps.get(client_id)

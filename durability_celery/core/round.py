@@ -106,7 +106,7 @@ def reclaim(state: KeyState, *, config: RoundConfig, now: float) -> KeyState:
 def _with(state: KeyState, ledger: Ledger, config: RoundConfig, heard: set[str], now: float,
           **changes: Any) -> KeyState:
     """`state` with the ledger's grants and leases, their lease deadline, the clients
-    `heard` stamped (clients.mark_seen) and `changes`, made at once."""
+    `heard` stamped (clients.seen) and `changes`, made at once."""
     grants, leases = tuple(ledger.grants.values()), tuple(ledger.leases.values())
     holding = {g.client_id for g in grants} | {le.client_id for le in leases}
     return replace(state, grants=grants, leases=leases,
