@@ -2,7 +2,7 @@
 # shard queues, taken on Redis by one script that RPOPs every list kombu's BRPOP
 # reads (one command: a pipeline of one RPOP per list cost more to pack and parse
 # than the few requests a wake-up often finds). Rule: only how entries leave Redis
-# differs: each one is parsed as kombu parses it (compat.json_loads: the same
+# differs: each one is parsed as kombu parses it (compat.wire.json_loads: the same
 # result) and delivered by kombu itself (the transport's `_deliver`, kombu's
 # Message and the consumer's callbacks), so a request taken here is accepted,
 # decoded and rejected exactly as one taken by BRPOP. Every other

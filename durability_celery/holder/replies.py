@@ -3,7 +3,7 @@
 # not thread-safe), and a failed publish is logged and dropped: the client
 # times out and asks again, the round's effects are already committed. On Redis
 # a batch's replies are pushed by the holder itself, as the exact text kombu's
-# Producer would push (compat.redis_envelope), in one pipeline with their queues'
+# Producer would push (compat.wire.redis_envelope), in one pipeline with their queues'
 # expiry: kombu's publish cost more per reply than the round that made it.
 from __future__ import annotations
 

@@ -238,7 +238,7 @@ def test_a_redis_that_refuses_scripts_is_served_one_message_at_a_time(
 
 def test_plain_json_requests_skip_kombus_decoder_and_marked_ones_take_it(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    # compat.decoded_json: the same result as kombu's Message.decode, which runs only for
+    # compat.wire.decoded_json: the same result as kombu's Message.decode, which runs only for
     # a body its object hook could change (kombu's type marker, or a \u escape).
     from kombu.message import Message
 
