@@ -178,36 +178,32 @@ def _queued_at(value: Any, field: str, count: int, oldest_at: float) -> tuple[fl
     return times
 
 
-def _grant_reports(message: Mapping[str, Any]) -> tuple[GrantReport, ...]:
+def _marks(message: Mapping[str, Any], field: str, id_name: str, taken_name: str
+           ) -> Iterator[tuple[str, Mapping[str, Any], str, int, int]]:
+    """Each report of `field` ("grants" or "leases"): (where, entry, id, taken, released),
+    its id unique in the message and its released mark not above its taken one."""
     seen: set[str] = set()
-    reports = []
-    for i, raw in enumerate(_entries(message, "grants")):
-        where = f"grants[{i}]."
-        grant_id = ident(required(raw, "grant_id", where), f"{where}grant_id")
-        if grant_id in seen:
-            raise InvalidMessage(f"{where}grant_id", f"{grant_id!r} appears twice")
-        seen.add(grant_id)
-        claimed = _count(required(raw, "claimed", where), f"{where}claimed")
+    for i, raw in enumerate(_entries(message, field)):
+        where = f"{field}[{i}]."
+        entry_id = ident(required(raw, id_name, where), f"{where}{id_name}")
+        if entry_id in seen:
+            raise InvalidMessage(f"{where}{id_name}", f"{entry_id!r} appears twice")
+        seen.add(entry_id)
+        taken = _count(required(raw, taken_name, where), f"{where}{taken_name}")
         released = _count(required(raw, "released", where), f"{where}released")
-        if released > claimed:
-            raise InvalidMessage(f"{where}released", "cannot exceed claimed")
-        reports.append(GrantReport(grant_id, claimed, released))
-    return tuple(reports)
+        if released > taken:
+            raise InvalidMessage(f"{where}released", f"cannot exceed {taken_name}")
+        yield where, raw, entry_id, taken, released
+
+
+def _grant_reports(message: Mapping[str, Any]) -> tuple[GrantReport, ...]:
+    return tuple(GrantReport(grant_id, claimed, released) for _, _, grant_id, claimed, released
+                 in _marks(message, "grants", "grant_id", "claimed"))
 
 
 def _lease_reports(message: Mapping[str, Any]) -> tuple[LeaseReport, ...]:
-    seen: set[str] = set()
     reports = []
-    for i, raw in enumerate(_entries(message, "leases")):
-        where = f"leases[{i}]."
-        lease_id = ident(required(raw, "lease_id", where), f"{where}lease_id")
-        if lease_id in seen:
-            raise InvalidMessage(f"{where}lease_id", f"{lease_id!r} appears twice")
-        seen.add(lease_id)
-        drawn = _count(required(raw, "drawn", where), f"{where}drawn")
-        released = _count(required(raw, "released", where), f"{where}released")
-        if released > drawn:
-            raise InvalidMessage(f"{where}released", "cannot exceed drawn")
+    for where, raw, lease_id, drawn, released in _marks(message, "leases", "lease_id", "drawn"):
         stopped = raw.get("stopped", False)
         if not isinstance(stopped, bool):
             raise InvalidMessage(f"{where}stopped", "must be a boolean")
