@@ -99,9 +99,9 @@ class BlockingClient:
         try:
             # An entry the transport could not parse is skipped: if it was our reply,
             # the wait ends in RequestTimeout.
-            answered = await_replies(self._connection, lambda: self._reply is not None,
-                                     deadline, poll=1.0, skip_unreadable=True)
-            if not answered or self._reply is None:
+            await_replies(self._connection, lambda: self._reply is not None, deadline,
+                          poll=1.0, skip_unreadable=True)
+            if self._reply is None:
                 raise RequestTimeout(f"no answer from the holder of {self.semaphore!r} in time")
             return self._reply
         finally:

@@ -76,8 +76,7 @@ class Hold:
             self._unhold(item)
             logger.info("durability: handing task %s back to the broker after %.0fs held",
                         entry.request.id, now - entry.held_since)
-            if not self.hooks.requests.hand_back(entry.request):  # Celery logged why
-                self.state.let_go.append((entry.request, now))
+            self._hand_back(entry, now)
 
     def _hand_back_crowded_out(self) -> None:
         """Give held messages back to the broker, first in line, when the holder gave their
@@ -97,8 +96,12 @@ class Hold:
                     self._unhold(item)
                     logger.debug("durability: handing task %s back to the broker: no room "
                                  "for it here while its key has permits", entry.request.id)
-                    if not self.hooks.requests.hand_back(entry.request):
-                        self.state.let_go.append((entry.request, self.clock()))
+                    self._hand_back(entry, self.clock())
+
+    def _hand_back(self, entry: Held, now: float) -> None:
+        """Requeue an unheld message; one the broker refused is given back later (let_go)."""
+        if not self.hooks.requests.hand_back(entry.request):  # Celery logged why
+            self.state.let_go.append((entry.request, now))
 
     def _drop_revoked(self) -> None:
         revoked = self.hooks.requests.revoked
