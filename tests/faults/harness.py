@@ -49,6 +49,10 @@ class FaultCluster(Cluster):
             self.holders.append(proc)
         return proc
 
+    def end_work(self, key: str) -> None:
+        """Let the key's running and future tasks end now instead of after their `work`."""
+        self.ledger.set(f"end-work:{key}", 1)
+
     def events(self) -> list[Event]:
         return [Event(*json.loads(raw)) for raw in self.ledger.lrange("events", 0, -1)]
 

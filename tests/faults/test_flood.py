@@ -27,6 +27,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 LIMITS = {"busy": 3, "frozen": 4}
 ROUNDS = 8  # times the whole catalogue of bad messages is sent
+# The frozen key's tasks run until the flood is over (FaultCluster.end_work), so its
+# grants and leases stay the victim's however long a loaded machine takes.
+FROZEN_WORK = 100.0
 
 
 class Attacker:
@@ -131,7 +134,7 @@ def test_flood_of_bad_messages_while_real_work_runs(
         fault_cluster: Callable[..., FaultCluster]) -> None:
     cluster = fault_cluster(limits=LIMITS, leases={"mode": "strict", "per_lease": 2})
     holder, *_ = cluster.start(clients=2, pool="threads", concurrency=3)
-    frozen_ids = cluster.publish(3, key="frozen", work=12.0)
+    frozen_ids = cluster.publish(3, key="frozen", work=FROZEN_WORK)
 
     def frozen_claimed() -> bool:
         # Settled: all three reported running, and no grant or lease left unused (its
@@ -179,6 +182,7 @@ def test_flood_of_bad_messages_while_real_work_runs(
     finally:
         attacker.close()
     assert snapshot(cluster, "frozen") == before, "the attacked key's state changed"
+    cluster.end_work("frozen")
     assert holder.popen.poll() is None
 
     def logged() -> dict[str, int]:
