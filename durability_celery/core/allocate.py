@@ -1,4 +1,5 @@
-# Allocation of one round: grants to the oldest queued items first, under the key's
+# Allocation of one round: grants to the oldest queued items first (those a client
+# can start now before those waiting for a pool slot), under the key's
 # limit and each group's ceiling, then leases from what the provisioning mode
 # leaves, shared equally among eligible candidates. Also says why demand that
 # stays queued is blocked. Pure: reads the ledger, returns new grants and leases.
@@ -18,8 +19,10 @@ from .state import Grant, Lease
 
 Pair = tuple[str, str | None]
 """(client_id, group)"""
-_Run = tuple[float, int, int, Iterator[tuple[float, int]]]
-"""A heap entry of _grant: (enqueued_at, index in the ordered demands, items, its later runs)."""
+_Runs = Iterator[tuple[bool, float, int]]
+_Run = tuple[bool, float, int, int, _Runs]
+"""A heap entry of _grant: (waits for a slot, enqueued_at, index in the ordered demands,
+items, its later runs)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,8 @@ def _grant(
     now: float,
     new_id: Callable[[], str],
 ) -> dict[Pair, int]:
-    """Grants item by item, oldest first across all demands (see DemandEntry.runs).
+    """Grants item by item, oldest first across all demands (see DemandEntry.runs),
+    items a client can start now before those that would wait for a slot (_ready_first).
 
     A demand that lists no enqueue times is one run at its oldest_at, which is
     the spec's whole-demand order. Once a demand is cut short, its younger
@@ -184,11 +188,26 @@ def _first_runs(
             if count:
                 result.unmet[d.pair] = (count, refusal or "limit")
             continue
-        rest = d.entry.runs()
-        at, items = next(rest)
-        runs.append((at, index, items, rest))
+        rest = _ready_first(d.entry)
+        waits, at, items = next(rest)
+        runs.append((waits, at, index, items, rest))
     heapq.heapify(runs)
     return left, runs
+
+
+def _ready_first(entry: DemandEntry) -> _Runs:
+    """The entry's runs oldest first, each marked whether its items wait for a pool slot
+    (past `ready`); a run that straddles `ready` is split there. Items that can start
+    now are granted before any that would wait, so no permit idles on a full worker
+    while another worker could run its key's younger items at once."""
+    ready = entry.count if entry.ready is None else entry.ready
+    for at, items in entry.runs():
+        if 0 < ready < items:
+            yield (False, at, ready)
+            items -= ready
+            ready = 0
+        yield (ready <= 0, at, items)
+        ready -= items
 
 
 def _give_oldest_first(
@@ -204,7 +223,7 @@ def _give_oldest_first(
     """Takes runs oldest first, each given what the room and its group's ceiling
     allow; a demand cut short is recorded unmet and its later runs stay out."""
     while runs:
-        _, index, items, rest = heapq.heappop(runs)
+        _, _, index, items, rest = heapq.heappop(runs)
         d = ordered[index]
         group = d.entry.group
         pool = room.for_grants(leases)
@@ -219,7 +238,8 @@ def _give_oldest_first(
             continue
         following = next(rest, None)
         if following is not None:
-            heapq.heappush(runs, (following[0], index, following[1], rest))
+            waits, at, items = following
+            heapq.heappush(runs, (waits, at, index, items, rest))
 
 
 def _lease_candidates(
@@ -235,6 +255,8 @@ def _lease_candidates(
         group = d.entry.group
         if not d.supports_leases or d.entry.count == 0 or d.pair in holding:
             continue
+        if d.entry.ready == 0:
+            continue  # a full pool: the lease would idle there, see _ready_first
         if _refusal(limits, d) is not None:
             continue
         if limits.group_limit(group) is not None and leases.limited_groups == "exclude":

@@ -41,6 +41,10 @@ class DemandEntry:
     `oldest_at`). Grants go to the oldest items across clients, not to whole
     demands: two workers fed by one broker both hold old work, and giving the
     oldest demand all of it left the other worker's slots empty."""
+    ready: int | None = None
+    """How many of the oldest items the client can start now, on a pool slot that is
+    free (optional; None: all). The rest wait for a slot to come free; the holder
+    grants ready items first, so a permit goes where it runs at once."""
 
     def runs(self) -> Iterator[tuple[float, int]]:
         """(enqueued_at, items) oldest first: the listed items one by one, then the
@@ -55,7 +59,8 @@ class DemandEntry:
         """The same entry asking for at most `count` (its oldest items)."""
         if count >= self.count:
             return self
-        return replace(self, count=count, queued_at=self.queued_at[:count])
+        ready = None if self.ready is None else min(self.ready, count)
+        return replace(self, count=count, queued_at=self.queued_at[:count], ready=ready)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ def _demand_wire(entry: DemandEntry) -> dict[str, Any]:
                             "oldest_at": entry.oldest_at}
     if entry.queued_at:
         wire["queued_at"] = list(entry.queued_at)
+    if entry.ready is not None:
+        wire["ready"] = entry.ready
     return wire
 
 
@@ -161,7 +168,12 @@ def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
         if listed > MAX_QUEUED_AT_TOTAL:
             raise InvalidMessage(f"{where}queued_at",
                                  f"the message lists more than {MAX_QUEUED_AT_TOTAL} times")
-        demand.append(DemandEntry(group, count, oldest_at, queued_at))
+        ready = raw.get("ready")
+        if ready is not None:
+            ready = _count(ready, f"{where}ready")
+            if ready > count:
+                raise InvalidMessage(f"{where}ready", f"{ready} is more than count {count}")
+        demand.append(DemandEntry(group, count, oldest_at, queued_at, ready))
     return tuple(demand)
 
 

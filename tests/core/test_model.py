@@ -120,11 +120,14 @@ class SemaphoreModel(RuleBasedStateMachine):
     # -- rules ----------------------------------------------------------------
 
     @rule(client=st.sampled_from(CLIENTS), group=st.sampled_from(GROUPS),
-          count=st.integers(0, 8), lost_reply=st.booleans(), leases=st.booleans())
+          count=st.integers(0, 8), lost_reply=st.booleans(), leases=st.booleans(),
+          ready=st.none() | st.integers(0, 8))
     def ask(self, client: str, group: str | None, count: int, lost_reply: bool,
-            leases: bool) -> None:
+            leases: bool, ready: int | None) -> None:
         message = request(client, [(group, count, self.now - count)],
                           supports_leases=leases, **self.clients[client].report())
+        if ready is not None:  # items this client could start now: any, up to count
+            message["demand"][0]["ready"] = min(ready, count)
         self.deliver(message, client, lost_reply=lost_reply)
 
     @rule(client=st.sampled_from(CLIENTS), lost=st.booleans(), lost_reply=st.booleans())

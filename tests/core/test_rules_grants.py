@@ -66,6 +66,37 @@ def test_unlisted_items_count_at_the_last_listed_time(make_semaphore: Any) -> No
     assert (granted(first), granted(second), granted(whole)) == (1, 1, 3)
 
 
+def ready(message: dict[str, Any], *counts: int) -> dict[str, Any]:
+    """`message` with each demand entry saying how many of its items can start now."""
+    for entry, count in zip(message["demand"], counts, strict=True):
+        entry["ready"] = count
+    return message
+
+
+def test_items_that_can_start_now_are_granted_before_older_ones_that_would_wait(
+        make_semaphore: Any) -> None:
+    # A full worker holds the oldest item; one with a free slot a younger one: the permit
+    # goes where it runs at once. Then oldest first again among items that would wait.
+    sem = make_semaphore(Limits(3))
+    full, free, spare = sem.run_round(KEY, [
+        ready(aged(request("a", [(None, 2, 10.0)]), [10.0, 11.0]), 0),
+        ready(aged(request("b", [(None, 3, 20.0)]), [20.0, 21.0, 22.0]), 1),
+        request("c", [(None, 1, 15.0)]),  # says nothing: all of it can start
+    ], now=T0)
+    assert (granted(full), granted(free), granted(spare)) == (1, 1, 1)
+    assert blocked(full) == {None: ("limit", 1)} and blocked(free) == {None: ("limit", 2)}
+
+
+def test_a_demand_granted_its_ready_items_waits_behind_older_waiting_items(
+        make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(3))
+    straddling, waiting = sem.run_round(KEY, [
+        ready(aged(request("a", [(None, 3, 20.0)]), [20.0, 21.0, 22.0]), 1),
+        ready(aged(request("b", [(None, 2, 10.0)]), [10.0, 11.0]), 0),
+    ], now=T0)
+    assert (granted(straddling), granted(waiting)) == (1, 2)
+
+
 def test_a_group_ceiling_cuts_one_demand_short_and_younger_items_go_on(
     make_semaphore: Any,
 ) -> None:
