@@ -61,6 +61,14 @@ class Room:
             return settings.free_slots() + self.soon_free(key)
         return capacity - sum(1 for p in self._permits.admitted.values() if p.key == key)
 
+    def free_now(self) -> int | None:
+        """The pool's free slots now, shared by every key; None where `of` has no bound
+        or the pool's slots are not known."""
+        settings = self._settings
+        if settings.capacity is None or not settings.handoff_window:
+            return None
+        return None if settings.free_slots is None else max(0, settings.free_slots())
+
     def soon_free(self, key: str) -> int:
         """Running items of other keys whose slots go to `key`'s oldest queued item when
         they end: nothing of their own key and group is queued, or only younger items

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Protocol
 
 from ..wire.request import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, DemandEntry
@@ -206,7 +207,13 @@ class Talk:
         room -= held
         if room <= 0:
             return ()
-        return tuple(e.capped(room) for e in wanted)
+        free = self._room.free_now()
+        if free is None:
+            return tuple(e.capped(room) for e in wanted)
+        # The permits held take the free slots first; what is left starts at once.
+        ready = max(0, free - held)
+        return tuple(replace(capped, ready=min(capped.count, ready))
+                     for capped in (e.capped(room) for e in wanted))
 
     def asks(self, key: str) -> bool:
         """Whether `key` has demand to send now (SemaphoreClient.asks)."""

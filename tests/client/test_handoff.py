@@ -578,6 +578,24 @@ def test_demand_is_bounded_by_the_pools_free_slots_across_keys() -> None:
     assert demand(client.message(KEY)) == {None: (1, 1.0)}
 
 
+def test_demand_says_how_many_items_can_start_now_and_how_many_wait_for_a_slot() -> None:
+    # A running item of another key, with nothing of its own queued, frees its slot for
+    # this key soon: asked for, but not ready, so the holder serves ready items first.
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0)
+    client.capacity = 4
+    client.free_slots = lambda: 1
+    client.enqueue("acct-2", None, "other", enqueued_at=1.0)
+    client.message("acct-2")
+    client.on_response("acct-2", reply(clock.now, key="acct-2", grants=[
+        grant("g2", permits=1, claim_deadline=clock.now + 10)]))
+    assert [p.item_id for p in client.admit()] == ["other"]
+    client.enqueue(KEY, None, "a", enqueued_at=2.0)
+    client.enqueue(KEY, None, "b", enqueued_at=3.0)
+    (entry,) = client.message(KEY)["demand"]
+    assert (entry["count"], entry["ready"]) == (2, 1)
+
+
 @pytest.mark.parametrize(("blocked", "passed_on"), [(False, False), (True, True)])
 def test_an_older_item_of_another_key_takes_the_slot_unless_it_is_blocked(
         blocked: bool, passed_on: bool) -> None:
