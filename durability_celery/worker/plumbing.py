@@ -52,10 +52,6 @@ def hand_back(request: Any) -> bool:
     return celery_worker.acknowledged(request)
 
 
-def redelivered(request: Any) -> bool:
-    return bool((request.delivery_info or {}).get("redelivered"))
-
-
 def refuse(request: Any, exc: Exception) -> None:
     logger.error("durability: refusing task %s[%s]: %s", request.name, request.id, exc)
     try:
@@ -71,6 +67,6 @@ def celery_requests() -> Requests:
     return Requests(
         headers=attrgetter("request_dict"), admission=admission,
         revoked=celery_worker.is_revoked, instrument=instrument, drop=drop,
-        hand_back=hand_back, redelivered=redelivered,
+        hand_back=hand_back,
         refuse=refuse, acknowledged=celery_worker.acknowledged,
         forget=celery_worker.forget_reserved)

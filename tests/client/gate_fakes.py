@@ -43,7 +43,6 @@ class FakeRequest:
     def reject(self, requeue: bool = False) -> None:
         self.rejected.append(requeue)
         self.acknowledged = True
-        self.delivery_info = {"redelivered": True}  # as the broker marks it, next time
 
     def on_success(self, result: Any, **kwargs: Any) -> None:
         # What AdmittedRequest's success hook does once the gate instrumented it.

@@ -150,15 +150,13 @@ def test_an_unanswered_holder_is_said_once_and_its_return_too(
     assert any("answers again" in r.getMessage() for r in caplog.records)
 
 
-def crowded_gate(held: int, *, redelivered: bool = False
-                 ) -> tuple[Gate, Loop, list[FakeRequest]]:
+def crowded_gate(held: int) -> tuple[Gate, Loop, list[FakeRequest]]:
     """A gate holding `held` messages of one key, taken while its pool was idle, whose
     pool then fills with work it did not admit before the holder gives the key three
     grant permits."""
     gate, loop, clock = gate_without_permits(busy=0, max_held=8 * POOL)
     requests = [FakeRequest() for _ in range(held)]
     for request in requests:
-        request.delivery_info = {"redelivered": redelivered}
         gate.submit(request)
         clock.advance(0.001)
     assert loop.qos == held
@@ -170,24 +168,14 @@ def crowded_gate(held: int, *, redelivered: bool = False
     return gate, loop, requests
 
 
-def test_a_worker_holding_past_its_busy_limit_hands_back_what_it_has_no_room_for() -> None:
-    # Taken while a slot was free (up to max_held), then the pool filled: the key's permits
-    # go back to the holder, and as many of its youngest messages go back to the broker,
-    # where a worker with a free slot can take them; down to the busy limit, those the
-    # broker delivered before too.
-    gate, loop, requests = crowded_gate(held=POOL + 2, redelivered=True)
+def test_a_worker_hands_back_one_held_message_per_permit_it_has_no_room_for() -> None:
+    # Taken while a slot was free, then the pool filled: the key's three permits go back
+    # to the holder, and its three youngest messages to the broker, first in line, where
+    # a worker with a free slot takes them; the oldest stay for this pool.
+    gate, loop, requests = crowded_gate(held=POOL + 2)
     assert loop.started == []
-    assert [r.rejected for r in requests] == [[]] * POOL + [[True]] * 2
-    assert [entry.request for entry in gate.state.held.values()] == requests[:POOL]
-    assert loop.qos == gate.state.raised == POOL
+    assert [r.rejected for r in requests] == [[]] * (POOL - 1) + [[True]] * 3
+    assert [entry.request for entry in gate.state.held.values()] == requests[:POOL - 1]
+    assert loop.qos == gate.state.raised == POOL - 1
     (client,) = gate.clients.values()
     assert client.crowded_out() == {}, "each return is acted on once"
-
-
-def test_within_its_busy_limit_a_worker_hands_back_only_what_was_never_handed_back() -> None:
-    gate, loop, requests = crowded_gate(held=POOL, redelivered=True)
-    assert [r.rejected for r in requests] == [[]] * POOL
-    assert len(gate.state.held) == POOL and loop.started == []
-    gate, loop, requests = crowded_gate(held=POOL)
-    assert [r.rejected for r in requests] == [[]] * (POOL - 3) + [[True]] * 3, "one per permit"
-    assert len(gate.state.held) == POOL - 3 and loop.started == []

@@ -80,19 +80,15 @@ class Hold:
 
     def _hand_back_crowded_out(self) -> None:
         """Give held messages back to the broker, first in line, when the holder gave their
-        keys permits this worker had no room for: taken while a slot was free, they would
-        wait here for this pool while a worker with a free slot could run them now. The
-        youngest go; the oldest run here. Past the busy limit any go; within it only a
-        message never delivered before: if no other worker takes it, this one takes it
-        back and keeps it, so none goes round and round."""
+        keys permits this worker had no room for: the holder serves workers that can
+        start a task now first, so those permits had no taker elsewhere, and a worker
+        with a free slot but none of the key's messages may be idle. One message per such
+        permit goes, the youngest; the oldest run here. Among busy workers a message may
+        go round until a slot frees; each turn waits for a grant and SOON_FREE_WAIT."""
         for client in self.clients.values():
             for items in client.crowded_out().values():  # read every client: it clears
-                spare = len(self.state.held) - self._busy_limit()
                 for item in items:
                     entry = self.state.held[item]
-                    if spare <= 0 and self.hooks.requests.redelivered(entry.request):
-                        continue
-                    spare -= 1
                     self._unhold(item)
                     logger.debug("durability: handing task %s back to the broker: no room "
                                  "for it here while its key has permits", entry.request.id)

@@ -53,8 +53,6 @@ class Requests:
     """Ack a duplicate delivery of a running task and forget it."""
     hand_back: Callable[[Any], bool]
     """Requeue a held request's message; False if the broker refused it (not acked)."""
-    redelivered: Callable[[Any], bool]
-    """Whether the broker delivered its message before (a hand-back, a redelivery)."""
     refuse: Callable[[Any, Exception], None]
     """Fail a request that can never be admitted, and drop its message."""
     acknowledged: Callable[[Any], bool]
