@@ -366,3 +366,6 @@ class DurabilitySemaphore:
             new, forgotten = forget_client(old, client_id)
             store.save(conn, old, with_lease_deadline(new, self._config), now=at)
         return forgotten
+
+
+_CONFORMS: type[store.Store] = DurabilitySemaphore  # mypy checks the contract here

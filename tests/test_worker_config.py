@@ -14,6 +14,7 @@ import pytest
 
 from durability_celery.cli import ledger
 from durability_celery.core.config import Over, Strict, Under
+from durability_celery.wire.fields import MAX_ID_LENGTH
 from worker_config.env import EnvError, build_semaphore, load_config, make_home, parse_semaphores
 
 REDIS_DB = 8
@@ -109,6 +110,13 @@ def test_bad_values_name_the_variable(
 def test_semaphores_short_form() -> None:
     specs = parse_semaphores("accounts=10, exports=3")
     assert [(s.name, s.limit) for s in specs] == [("accounts", 10), ("exports", 3)]
+
+
+def test_semaphore_names_as_long_as_the_store_saves() -> None:
+    longest = "s" * MAX_ID_LENGTH
+    assert [s.name for s in parse_semaphores(f"{longest}=1")] == [longest]
+    with pytest.raises(EnvError, match="bad semaphore name"):
+        parse_semaphores(f"{longest}s=1")
 
 
 def test_semaphores_json_form() -> None:

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from durability_celery.core.config import Leases, Over, Strict, Under
 from durability_celery.errors import ConfigurationError
 from durability_celery.settings import DurabilitySettings
+from durability_celery.wire.fields import MAX_ID_LENGTH
 
 ENV_PREFIX = "DURABILITY_"
 EMBEDDED_SCHEME = "durability-filesystem"
@@ -26,7 +27,8 @@ DEFAULT_HOME = ".durability"
 DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 """Redis redelivers a message unacked this long; held messages go back well before (VT/2)."""
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+# A semaphore name is an id on the wire and in the store: its limit is theirs.
+_NAME = re.compile(rf"^[A-Za-z0-9_.:-]{{1,{MAX_ID_LENGTH}}}$")
 _SEMAPHORE_FIELDS = {
     "limit", "keys", "group_limit", "groups", "grant_timeout", "round_wait", "round_period",
     "leases", "can_grant", "handoff_window",

@@ -175,6 +175,13 @@ def task_channel(c: Any) -> Any:
     return getattr(getattr(c, "task_consumer", None), "channel", None)
 
 
+def task_queue_names(c: Any) -> set[str]:
+    """The task queues consumer `c` consumes: its task consumer's, which the Tasks step
+    builds from `-Q` or else every queue of the app (celery/worker/consumer/tasks.py,
+    app/amqp.py TaskConsumer)."""
+    return {queue.name for queue in c.task_consumer.queues}
+
+
 def runs_inline(c: Any) -> bool:
     """Whether the consumer's pool runs a task inside the hand-off call itself (the solo
     pool: celery/concurrency/solo.py applies the task in the calling thread)."""

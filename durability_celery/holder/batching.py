@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import gathering_moment
+from ..wire.request import asked_groups, client_of, released_marks
 
 KeyId = tuple[str, str]
 """(semaphore, key): what one holder state, one round timer and one alarm belong to."""
@@ -42,26 +43,7 @@ def given_back(body: dict[str, Any]) -> dict[str, int]:
     more for a stopped lease (its undrawn permits). Marks are cumulative per id, so a
     higher one than the last request of the client listed is capacity come back. A hint
     for scheduling only; the round validates and applies the reports themselves."""
-    marks: dict[str, int] = {}
-    for field_name, ident in (("grants", "grant_id"), ("leases", "lease_id")):
-        reports = body.get(field_name)
-        if not isinstance(reports, list):
-            continue
-        for report in reports:
-            if not isinstance(report, dict) or not isinstance(report.get(ident), str):
-                continue
-            value = report.get("released")
-            mark = value if isinstance(value, int) and not isinstance(value, bool) else 0
-            marks[report[ident]] = mark + (report.get("stopped") is True)
-    return marks
-
-
-def asked_groups(body: dict[str, Any]) -> frozenset[str | None]:
-    """The groups a request asks permits for (a hint, as `given_back` is)."""
-    demand = body.get("demand")
-    if not isinstance(demand, list):
-        return frozenset()
-    return frozenset(entry.get("group") for entry in demand if isinstance(entry, dict))
+    return {ident: released + stopped for ident, released, stopped in released_marks(body)}
 
 
 def _told_at(last_round_at: float, round_wait: float, round_period: float) -> float:
@@ -153,9 +135,9 @@ class Batcher:
 
     @staticmethod
     def _classify(slot: _Slot, request: Waiting) -> None:
-        client = request.body.get("client_id")
+        client = client_of(request.body)
         at = request.arrived_at
-        if isinstance(client, str):
+        if client is not None:
             marks = given_back(request.body)
             before = slot.given_back.get(client, {})
             slot.given_back[client] = marks

@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import InfrastructureError, SchemaMissing
-from .batching import KeyId, Round, asked_groups
+from ..wire.request import asked_groups, client_of
+from .batching import KeyId, Round
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -71,8 +72,8 @@ def blocked_by(job: Round, responses: list[dict[str, Any]] | None,
         return None
     blocked: dict[str, frozenset[str | None]] = {}
     for request, response in zip(job.requests, responses, strict=True):
-        client = request.body.get("client_id")
-        if not isinstance(client, str) or "error" in response:
+        client = client_of(request.body)
+        if client is None or "error" in response:
             continue
         groups = {entry.get("group") for entry in response.get("blocked") or ()
                   if isinstance(entry, dict)}

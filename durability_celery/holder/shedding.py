@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import InvalidMessage
-from ..wire.request import Request, parse_request
+from ..wire.request import Request, client_of, parse_request
 
 
 def answered_by(bodies: Sequence[dict[str, Any]], *, semaphore: str,
@@ -26,8 +26,8 @@ def answered_by(bodies: Sequence[dict[str, Any]], *, semaphore: str,
     answers: list[int | None] = [None] * len(bodies)
     by_client: dict[str, list[int]] = {}
     for index, body in enumerate(bodies):
-        client = body.get("client_id")
-        if isinstance(client, str):
+        client = client_of(body)
+        if client is not None:
             by_client.setdefault(client, []).append(index)
     for indexes in by_client.values():
         if len(indexes) < 2:

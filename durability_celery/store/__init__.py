@@ -1,6 +1,8 @@
 # The stores: SQL (tables, migrations and one locked transaction per round) and,
-# for tests and embedding, memory.py (each key's state in a dict).
+# for tests and embedding, memory.py (each key's state in a dict); contract.py is
+# the round API both give.
 # Rule: they hold no allocation policy; the pure core decides, the store persists.
+from .contract import Store
 from .engine import create_engine, prepare_engine, run_transaction, transaction
 from .memory import MemorySemaphore
 from .queries import all_keys, deadlines, prune_keys, silent_clients
@@ -47,6 +49,7 @@ __all__ = [
     "silent_clients",
     # maintenance
     "prune_keys",
-    # in memory
+    # the contract, and the store in memory
+    "Store",
     "MemorySemaphore",
 ]

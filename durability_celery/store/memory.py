@@ -1,5 +1,5 @@
 # The in-memory store, for tests and for embedding the core in one process: the
-# round API of DurabilitySemaphore over the pure core, each key's state in a dict.
+# Store contract (contract.py) over the pure core, each key's state in a dict.
 # Rule: the same core calls as the SQL store, so a rule that holds on one holds on
 # the other (tests/core runs every rule on both); nothing survives the process.
 from __future__ import annotations
@@ -12,10 +12,11 @@ from ..core.config import Leases, RoundConfig
 from ..core.keystate import LimitSource
 from ..core.round import KeyState, reclaim, run_round
 from ..core.usage import Usage, usage
+from .contract import Store
 
 
 class MemorySemaphore:
-    """DurabilitySemaphore's round API over the pure core, state kept in a dict.
+    """The Store contract over the pure core, state kept in a dict.
 
     Not thread-safe, and ids are `id-0`, `id-1`, ... of this object alone.
     """
@@ -36,18 +37,22 @@ class MemorySemaphore:
         """`key`'s holder state (empty if it never had a round)."""
         return self.states.get(key, KeyState(self.name, key))
 
-    def run_round(self, key: str, messages: Sequence[object], now: float) -> list[dict[str, Any]]:
+    def run_round(self, key: str, messages: Sequence[object], *,
+                  now: float) -> list[dict[str, Any]]:
         """One round for `key`: one response per message, in order."""
         result = run_round(self.state(key), messages, config=self.config, limits=self.limits,
                            now=now, new_id=lambda: next(self._ids))
         self.states[key] = result.state
         return list(result.responses)
 
-    def reclaim(self, key: str, now: float) -> float | None:
+    def reclaim(self, key: str, *, now: float) -> float | None:
         """Reclaim expired unclaimed grants of `key`; returns its next claim deadline or None."""
         self.states[key] = reclaim(self.state(key), config=self.config, now=now)
         return self.states[key].next_claim_deadline
 
-    def usage(self, key: str, now: float) -> Usage:
+    def usage(self, key: str, *, now: float) -> Usage:
         """Limit, outstanding permits, lease footprint, per-group usage and blocked demand."""
         return usage(self.state(key), config=self.config, limits=self.limits, now=now)
+
+
+_CONFORMS: type[Store] = MemorySemaphore  # mypy checks the contract here

@@ -263,3 +263,37 @@ def parse_request(raw: object, *, semaphore: str, key: str) -> Request:
         leases=_lease_reports(raw),
         supports_leases=supports_leases,
     )
+
+
+# --- hints: what a raw request seems to say, before any validation -----------
+# The holder schedules a request's round on these; its round validates it. A field
+# missing or of the wrong kind reads as nothing here, never as an error.
+
+
+def client_of(raw: Mapping[str, Any]) -> str | None:
+    """The client_id a raw request names, if it is a string."""
+    client = raw.get("client_id")
+    return client if isinstance(client, str) else None
+
+
+def released_marks(raw: Mapping[str, Any]) -> Iterator[tuple[str, int, bool]]:
+    """(grant or lease id, released mark, stopped) of each report of a raw request that
+    names its id; a released mark that is not an integer reads as 0."""
+    for field, id_name in (("grants", "grant_id"), ("leases", "lease_id")):
+        reports = raw.get(field)
+        if not isinstance(reports, list):
+            continue
+        for report in reports:
+            if not isinstance(report, dict) or not isinstance(report.get(id_name), str):
+                continue
+            value = report.get("released")
+            released = value if isinstance(value, int) and not isinstance(value, bool) else 0
+            yield report[id_name], released, report.get("stopped") is True
+
+
+def asked_groups(raw: Mapping[str, Any]) -> frozenset[str | None]:
+    """The groups a raw request's demand entries name."""
+    demand = raw.get("demand")
+    if not isinstance(demand, list):
+        return frozenset()
+    return frozenset(entry.get("group") for entry in demand if isinstance(entry, dict))

@@ -224,7 +224,10 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
                         c.timer.call_repeatedly(SUMMARY_INTERVAL, log_summary, (self.gate,))]
         logger.info("durability: gate started as client %s (hold deadline %.0fs, max held %d)",
                     self.client_id, self.gate.hold_deadline, self.gate.max_held)
-        warn_about_prefetch(c.app.conf)
+        # The control queue carries beat's and reconcile's plain tasks alone: a worker
+        # consuming nothing else (a holder as deployed) is never sent an admitted task.
+        if celery_worker.task_queue_names(c) - {self.durability.control_queue}:
+            warn_about_prefetch(c.app.conf)
 
     def stop(self, c: Any) -> None:
         self._close_gate()

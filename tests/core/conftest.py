@@ -1,48 +1,26 @@
-# The `make_semaphore` fixture: the same rule table runs on the in-memory store
-# (MemorySemaphore) and on SQLite and PostgreSQL through DurabilitySemaphore.
+# The `make_semaphore` fixture: the same rule table runs on every Store, the
+# in-memory one (MemorySemaphore) and the SQL one (DurabilitySemaphore) on SQLite
+# and PostgreSQL.
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from core_harness import SEM, Limits
 
-from durability_celery.core.usage import Usage
 from durability_celery.semaphore import DurabilitySemaphore
-from durability_celery.store.memory import MemorySemaphore
+from durability_celery.store import MemorySemaphore, Store
 
-
-class StoredSemaphore:
-    """DurabilitySemaphore with the MemorySemaphore call shape used by the tests."""
-
-    def __init__(self, url: str, limits: Limits, **settings: Any) -> None:
-        self.limits = limits
-        self.sem = DurabilitySemaphore(
-            SEM, database=url, limit=limits.limit, group_limit=limits.group_limit,
-            can_grant=limits.can_grant, **settings,
-        )
-        self.sem.migrate()
-
-    def run_round(self, key: str, messages: Sequence[object], now: float) -> list[dict[str, Any]]:
-        return self.sem.run_round(key, list(messages), now=now)
-
-    def reclaim(self, key: str, now: float) -> float | None:
-        return self.sem.reclaim(key, now=now)
-
-    def usage(self, key: str, now: float) -> Usage:
-        return self.sem.usage(key, now=now)
-
-
-MakeSemaphore = Callable[..., "MemorySemaphore | StoredSemaphore"]
+MakeSemaphore = Callable[..., Store]
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgresql"])
 def make_semaphore(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeSemaphore]:
-    made: list[StoredSemaphore] = []
+    made: list[DurabilitySemaphore] = []
 
-    def make(limits: Limits | None = None, **settings: Any) -> MemorySemaphore | StoredSemaphore:
+    def make(limits: Limits | None = None, **settings: Any) -> Store:
         limits = limits or Limits()
         if request.param == "memory":
             return MemorySemaphore(SEM, limits, **settings)
@@ -51,10 +29,14 @@ def make_semaphore(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[M
         else:
             url = request.getfixturevalue("postgres_url")
             DurabilitySemaphore.migrate(url, None)  # each semaphore starts from no schema
-        stored = StoredSemaphore(url, limits, **settings)
+        stored = DurabilitySemaphore(
+            SEM, database=url, limit=limits.limit, group_limit=limits.group_limit,
+            can_grant=limits.can_grant, **settings,
+        )
+        stored.migrate()
         made.append(stored)
         return stored
 
     yield make
     for stored in made:
-        stored.sem.close()
+        stored.close()

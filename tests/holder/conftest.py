@@ -99,15 +99,17 @@ class HolderRig:
         return self.durability.semaphore(name)
 
     def start_holder(self, *args: str, name: str = "holder") -> Proc:
-        env = {CONFIG_ENV: json.dumps(self.config)}
-        proc = self.processes.start_worker(
-            "holder_app", "--durability-holder", "--pool=solo",
-            f"--queues={self.durability.control_queue}", *args,
-            env=env, name=name, pythonpath=[HERE],
-        )
+        proc = self.start_worker("--durability-holder", "--pool=solo",
+                                 f"--queues={self.durability.control_queue}", *args, name=name)
         proc.wait_for_log(r"durability holder: consuming", timeout=20)
         self.holders.append(proc)
         return proc
+
+    def start_worker(self, *args: str, name: str) -> Proc:
+        """A worker of this config's app (a client worker unless `args` make it a holder)."""
+        env = {CONFIG_ENV: json.dumps(self.config)}
+        return self.processes.start_worker("holder_app", *args, env=env, name=name,
+                                           pythonpath=[HERE])
 
     def client(self, name: str = "jobs", *, timeout: float = 5.0) -> BlockingClient:
         client = BlockingClient(self.durability, name, timeout=timeout)

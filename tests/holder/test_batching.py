@@ -15,6 +15,7 @@ from durability_celery.holder.batching import (
     Reclaim,
     Round,
     Waiting,
+    given_back,
 )
 
 WAIT, PERIOD = 1.0, 2.0
@@ -407,3 +408,14 @@ def test_take_due_takes_at_most_limit_jobs_and_keeps_the_rest_due() -> None:
     rest = b.take_due(now)
     assert [job.key_id for job in rest] == keys[2:]
     assert b.take_due(now) == []
+
+
+def test_given_back_reads_well_formed_reports_and_skips_the_rest() -> None:
+    body: dict[str, object] = {
+        "grants": [{"grant_id": "g1", "released": 2}, {"grant_id": 7, "released": 1},
+                   "junk", {"grant_id": "g2", "released": True}],
+        "leases": [{"lease_id": "l1", "released": 3, "stopped": True},
+                   {"lease_id": "l2", "stopped": "yes"}],
+    }
+    assert given_back(body) == {"g1": 2, "g2": 0, "l1": 4, "l2": 0}
+    assert given_back({"grants": "junk", "leases": None}) == {}

@@ -3,9 +3,11 @@
 # keys; one of them is killed and started again while clients work. No key ever
 # has more permits out than its limit, the other holder's keys go on being
 # served meanwhile, the restarted holder's keys recover, and every grant comes
-# back (usage returns to zero).
+# back (usage returns to zero). On the way, the gate's warning about Celery's
+# default prefetch comes from a client worker, not from a holder.
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -15,18 +17,31 @@ import pytest
 
 from durability_celery.wire.routing import shard_for
 
-from .conftest import Backend, HolderRig, semaphore_config
+from .conftest import Backend, HolderRig, Proc, semaphore_config
 from .test_holder import Concurrency, run_workers, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 SHARDS, LIMIT = 4, 2
 FIRST, SECOND = (0, 1), (2, 3)
+PREFETCH_WARNING = r"worker_prefetch_multiplier is 4; admitted tasks need 1"
 
 
 def keys_of(shards: tuple[int, ...], count: int) -> list[str]:
     found = (f"acct-{n}" for n in range(10_000))
     return [k for k in found if shard_for("jobs", k, SHARDS) in shards][:count]
+
+
+def the_gate_warns_only_where_admitted_tasks_may_come(rig: HolderRig, holder: Proc) -> None:
+    """The app keeps Celery's prefetch multiplier (4), against the gate: a client worker
+    says so, a holder consuming the control queue alone (never sent an admitted task)
+    does not, though its gate starts too."""
+    tasks = f"{rig.durability.settings.queue_prefix}.tasks"
+    client = rig.start_worker("--pool=solo", f"--queues={tasks}", name="client")
+    client.wait_for_log(PREFETCH_WARNING, timeout=20)
+    client.stop()
+    holder.wait_for_log(r"gate started", timeout=20)
+    assert re.search(PREFETCH_WARNING, holder.log()) is None
 
 
 def test_two_holders_split_the_shards_and_one_restarts_under_load(
@@ -39,6 +54,7 @@ def test_two_holders_split_the_shards_and_one_restarts_under_load(
     queues = rig.durability.holder_queues
     assert f"consuming {', '.join(queues(FIRST))}\n" in first.log()
     assert f"consuming {', '.join(queues(SECOND))}\n" in second.log()
+    the_gate_warns_only_where_admitted_tasks_may_come(rig, first)
     staying, restarted = keys_of(FIRST, 3), keys_of(SECOND, 3)
     pairs = [(rig.client("jobs", timeout=1.0), key) for key in staying + restarted
              for _ in range(LIMIT + 1)]
