@@ -2,11 +2,14 @@
 # dispatcher: a key that is empty or longer than the store's key column is
 # answered `invalid_message` with one warning line, and nothing is written.
 # In process, on kombu's in-memory broker and SQLite: the consumer's checks
-# need no real broker, and they must not depend on one.
+# need no real broker, and they must not depend on one. A broker that cannot be
+# reached is retried with growing waits until the holder stops.
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -112,3 +115,38 @@ def test_the_backlog_is_the_queued_requests_over_the_rate_they_were_taken(
         clock[0] += consumer_module.BACKLOG_EVERY
         # None taken (idle, or starved): at the rate a consumer takes them at least.
         assert backlog.wait(taken=150) == pytest.approx(300 / consumer_module.MIN_TAKE_RATE)
+
+
+def test_an_unreachable_broker_is_retried_with_growing_waits_until_the_holder_stops(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Nothing listens on the broker's port: each attempt is refused at once, kombu's
+    # ensure_connection waits longer before each next one, and a stop ends the retries.
+    caplog.set_level(logging.INFO, logger="durability_celery")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = Celery(f"unreachable-{uuid.uuid4().hex[:6]}", broker=f"redis://127.0.0.1:{port}/0",
+                 set_as_current=False)
+    sem = DurabilitySemaphore("jobs", database=f"sqlite:///{tmp_path / 'd.db'}", limit=3)
+    sem.migrate()
+    holder = Holder(Durability(app, [sem], settings=DurabilitySettings(
+        queue_prefix=f"dcu{uuid.uuid4().hex[:6]}", shards=1)))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(waits := _reconnect_waits(caplog)) < 3:
+            assert time.monotonic() < deadline, waits
+            time.sleep(0.05)
+        assert waits[:3] == sorted(waits[:3]) and waits[0] < waits[2], waits
+    finally:
+        stopping = time.monotonic()
+        holder.stop(timeout=5)
+        sem.close()
+    assert not holder.consumer._thread.is_alive()
+    assert time.monotonic() - stopping < 2.5
+    assert not any("consuming" in r.getMessage() for r in caplog.records)
+
+
+def _reconnect_waits(caplog: pytest.LogCaptureFixture) -> list[float]:
+    found = [re.search(r"reconnecting in ([\d.]+)s", r.getMessage()) for r in caplog.records]
+    return [float(match.group(1)) for match in found if match]
