@@ -213,7 +213,7 @@ class HolderConsumer(ConsumerMixin):
             time.sleep(BEHIND_PAUSE)
             self._look_at_backlog()
 
-# --- one message --------------------------------------------------------
+    # --- one message --------------------------------------------------------
 
     def _on_message(self, message: Any) -> None:
         self._taken += 1
