@@ -255,14 +255,15 @@ def _lease_candidates(
         group = d.entry.group
         if not d.supports_leases or d.entry.count == 0 or d.pair in holding:
             continue
-        if d.entry.ready == 0:
-            continue  # a full pool: the lease would idle there, see _ready_first
         if _refusal(limits, d) is not None:
             continue
         if limits.group_limit(group) is not None and leases.limited_groups == "exclude":
             continue
         chosen.append(d)
-    return chosen
+    # A lease on a full pool idles while another client could draw on it now (see
+    # _ready_first); alone, a full pool's lease serves its next free slot.
+    ready = [d for d in chosen if d.entry.ready != 0]
+    return ready or chosen
 
 
 def _lease(

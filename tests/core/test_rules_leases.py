@@ -38,14 +38,20 @@ def test_lease_budget_shared_equally_oldest_first(make_semaphore: Any) -> None:
     assert [leased(r) for r in replies] == [2, 2, 2]  # 8 left, 3 candidates: 2 each
 
 
-def test_a_client_with_no_free_slot_gets_no_lease(make_semaphore: Any) -> None:
-    # Its undrawn permits would idle there; its demand still gets grants.
+def test_a_client_with_no_free_slot_gets_no_lease_while_another_has_one(
+        make_semaphore: Any) -> None:
+    # Its undrawn permits would idle there; its demand still gets grants. Alone, it
+    # gets its lease for its next free slot.
     sem = make_semaphore(Limits(10), leases=Leases(Strict(), permits_per_lease=64))
     full_message, free_message = ask("a", 2, at=1.0), ask("b", 1, at=2.0)
     full_message["demand"][0]["ready"] = 0
     full, free = sem.run_round(KEY, [full_message, free_message], now=T0)
     assert (granted(full), granted(free)) == (2, 1)
     assert (leased(full), leased(free)) == (0, 7)
+    alone_message = ask("c", 1, at=1.0, key="other")
+    alone_message["demand"][0]["ready"] = 0
+    (alone,) = sem.run_round("other", [alone_message], now=T0)
+    assert (granted(alone), leased(alone)) == (1, 9)
 
 
 def test_permits_per_lease_caps_a_share(make_semaphore: Any) -> None:
