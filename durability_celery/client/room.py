@@ -55,7 +55,7 @@ class Room:
         running items. None: no bound (no capacity known, or no handoff)."""
         settings = self._settings
         capacity = settings.capacity
-        if capacity is None or not settings.handoff_window:
+        if not self._bounded() or capacity is None:
             return None
         if settings.free_slots is not None:
             return settings.free_slots() + self.soon_free(key)
@@ -64,10 +64,15 @@ class Room:
     def free_now(self) -> int | None:
         """The pool's free slots now, shared by every key; None where `of` has no bound
         or the pool's slots are not known."""
-        settings = self._settings
-        if settings.capacity is None or not settings.handoff_window:
+        free_slots = self._settings.free_slots
+        if not self._bounded() or free_slots is None:
             return None
-        return None if settings.free_slots is None else max(0, settings.free_slots())
+        return max(0, free_slots())
+
+    def _bounded(self) -> bool:
+        """Whether the room bounds demand: the pool's size is known, and handoff is on."""
+        settings = self._settings
+        return settings.capacity is not None and bool(settings.handoff_window)
 
     def soon_free(self, key: str) -> int:
         """Running items of other keys whose slots go to `key`'s oldest queued item when

@@ -190,12 +190,20 @@ class Talk:
         return wanted, held_in_all
 
     def demand(self, key: str, now: float) -> tuple[DemandEntry, ...]:
-        """What to ask for: the uncovered items, within the room `capacity` leaves.
+        """What to ask for: the uncovered items, within the room `capacity` leaves, each
+        entry saying how many of them the pool's free slots can start now (`ready`).
 
         The room bounds each group on its own, not their sum: shared oldest first,
         a group the holder cannot serve (its ceiling, a failing group_limit) would
         take all of it and leave the others asking for nothing."""
-        return self._within_room(key, *self.uncovered(key, now, ages=True))
+        wanted, held = self.uncovered(key, now, ages=True)
+        within = self._within_room(key, wanted, held)
+        free = self._room.free_now()
+        if not within or free is None:
+            return within
+        # The permits held take the free slots first; what is left starts at once.
+        ready = max(0, free - held)
+        return tuple(replace(entry, ready=min(entry.count, ready)) for entry in within)
 
     def _within_room(self, key: str, wanted: list[DemandEntry],
                      held: int) -> tuple[DemandEntry, ...]:
@@ -207,13 +215,7 @@ class Talk:
         room -= held
         if room <= 0:
             return ()
-        free = self._room.free_now()
-        if free is None:
-            return tuple(e.capped(room) for e in wanted)
-        # The permits held take the free slots first; what is left starts at once.
-        ready = max(0, free - held)
-        return tuple(replace(capped, ready=min(capped.count, ready))
-                     for capped in (e.capped(room) for e in wanted))
+        return tuple(e.capped(room) for e in wanted)
 
     def asks(self, key: str) -> bool:
         """Whether `key` has demand to send now (SemaphoreClient.asks)."""

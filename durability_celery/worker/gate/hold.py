@@ -83,8 +83,9 @@ class Hold:
         keys permits this worker had no room for: the holder serves workers that can
         start a task now first, so those permits had no taker elsewhere, and a worker
         with a free slot but none of the key's messages may be idle. One message per such
-        permit goes, the youngest; the oldest run here. Among busy workers a message may
-        go round until a slot frees; each turn waits for a grant and SOON_FREE_WAIT."""
+        permit goes, the youngest; the oldest run here. None goes round and round: with
+        no room a worker asks for nothing, and a permit kept past SOON_FREE_WAIT leaves
+        its key counting no soon-free slot here until an item ends (Permits.not_soon)."""
         for client in self.clients.values():
             for items in client.crowded_out().values():  # read every client: it clears
                 for item in items:
