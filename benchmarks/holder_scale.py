@@ -23,7 +23,13 @@
 # --sim-processes processes (default 1), each single-threaded, so it takes as
 # little as possible of the 2 cores from the holders.
 #
-#   python -m benchmarks.holder_scale [--seconds 30] [--keys 10000] [--phases default]
+# With several --keys (the steps of busy keys) it also reports the largest step
+# served on time and plots key-rounds/s and p99 against busy keys
+# (benchmarks/holder_report.py); PostgreSQL's single-row commit rate on one
+# connection is measured first, in the run's database, as the floor a design of
+# one transaction per key-round could not beat.
+#
+#   python -m benchmarks.holder_scale [--seconds 30] [--keys 10000 ...] [--phases default]
 #       [--holders 1 2] [--sim-processes 1] [--settle 0] [--stagger 0] [--saturate]
 from __future__ import annotations
 
@@ -31,7 +37,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import secrets
 import statistics
 import subprocess
@@ -40,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -55,6 +60,7 @@ sys.path[:0] = [str(ROOT), str(APP_DIR)]
 # tests/holder is not a package: its app is loaded by name, as the holder subprocess does
 holder_app = importlib.import_module("holder_app")
 
+from benchmarks import holder_report as report  # noqa: E402
 from benchmarks.cluster import stop_process  # noqa: E402
 from benchmarks.holder_sim import CLIENTS, CLIENTS_PER_KEY, DEMAND, Simulators, Tally  # noqa: E402
 from durability_celery.settings import DurabilitySettings  # noqa: E402
@@ -186,6 +192,24 @@ def _warm_keys(semaphore: str, ranges: list[tuple[int, int]], shards: int) -> li
     return keys
 
 
+def commit_floor(admin_url: str, database: str, seconds: float = 3.0) -> float:
+    """Single-row commits per second on one connection to `database`: an UPDATE of one
+    row and its COMMIT, back to back. A design of one transaction per key-round cannot
+    beat it; batching many keys into one commit can."""
+    url = admin_url.rsplit("/", 1)[0] + "/" + database
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE commit_floor (id int PRIMARY KEY, n bigint NOT NULL)")
+        conn.execute("INSERT INTO commit_floor VALUES (1, 0)")
+        done, until = 0, time.monotonic() + seconds
+        started = time.perf_counter()
+        while time.monotonic() < until:
+            conn.execute("UPDATE commit_floor SET n = n + 1 WHERE id = 1")
+            done += 1
+        rate = done / (time.perf_counter() - started)
+        conn.execute("DROP TABLE commit_floor")
+    return rate
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: after[name] - before[name] for name in after}
 
@@ -222,8 +246,9 @@ def measure_phase(name: str, config: dict[str, Any], stats: PgStats, keys: int, 
         rss_after, hwm = _rss_kb(pids), _rss_kb(pids, "VmHWM")
         alive = all(proc.poll() is None for proc in procs)
     return {
-        "phase": name if holders == 1 else f"{name}, {holders} holders", "setting": name,
-        "holders": holders, "round_wait": wait, "round_period": period, "seconds": elapsed,
+        "phase": f"{keys} {name}" + ("" if holders == 1 else f", {holders}h"), "setting": name,
+        "keys": keys, "holders": holders, "round_wait": wait, "round_period": period,
+        "seconds": elapsed,
         "holder_alive": alive, **_tallied(tally, elapsed),
         "pg": pg, "holder_cpu_s": cpu, "simulator_cpu_s": tally.cpu_s,
         "rss_before_mb": rss_before / 1024, "rss_after_mb": rss_after / 1024,
@@ -248,6 +273,7 @@ def _tallied(tally: Tally, elapsed: float) -> dict[str, Any]:
         "messages_per_round": (sum(tally.messages_per_round.values()) / rounds
                                if rounds else float("nan")),
         "p50_ms": 1000 * _quantile(latencies, 0.50), "p99_ms": 1000 * _quantile(latencies, 0.99),
+        "p99_all_ms": 1000 * _quantile(sorted(latencies + unanswered), 0.99),
     }
 
 
@@ -255,94 +281,12 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
 
 
-# --- the report -----------------------------------------------------------------
-
-
-def _per_round(row: dict[str, Any], value: float) -> float:
-    return value / row["rounds"] if row["rounds"] else float("nan")
-
-
-FIGURES: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-    ("round_wait / round_period (s)", lambda r: f"{r['round_wait']} / {r['round_period']}"),
-    ("window (s)", lambda r: f"{r['seconds']:.1f}"),
-    ("rounds completed", lambda r: f"{r['rounds']}"),
-    ("rounds per second", lambda r: f"{r['rounds_per_s']:.1f}"),
-    ("keys with >= 1 / >= 2 rounds",
-     lambda r: f"{r['keys_with_a_round']} / {r['keys_with_2_rounds']}"),
-    ("messages per round", lambda r: f"{r['messages_per_round']:.2f}"),
-    ("requests sent / answered", lambda r: f"{r['requests_sent']} / {r['answered']}"),
-    ("unanswered at the end (median age s)",
-     lambda r: f"{r['unanswered']} ({r['unanswered_median_age_s']:.1f})"),
-    ("error replies", lambda r: ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"),
-    ("latency of answered p50 / p99 (ms)", lambda r: f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f}"),
-    (f"p99 within request_timeout ({REQUEST_TIMEOUT:g} s)",
-     lambda r: "yes" if r["p99_ms"] <= 1000 * REQUEST_TIMEOUT else "NO"),
-    ("PG commits / rollbacks per round",
-     lambda r: f"{_per_round(r, r['pg']['xact_commit']):.2f} / "
-               f"{_per_round(r, r['pg']['xact_rollback']):.2f}"),
-    ("PG active ms per round (statements)",
-     lambda r: f"{_per_round(r, r['pg']['active_time']):.2f}"),
-    ("PG idle-in-transaction ms per round",
-     lambda r: f"{_per_round(r, r['pg']['idle_in_transaction_time']):.2f}"),
-    ("PG backends CPU ms per round",
-     lambda r: f"{_per_round(r, 1000 * r['pg']['backend_cpu_s']):.2f}"),
-    ("holder CPU ms per round", lambda r: f"{_per_round(r, 1000 * r['holder_cpu_s']):.2f}"),
-    ("holder CPU (% of one core)", lambda r: f"{100 * r['holder_cpu_s'] / r['seconds']:.0f}"),
-    ("simulator CPU (% of one core)",
-     lambda r: f"{100 * r['simulator_cpu_s'] / r['seconds']:.0f}"),
-    ("holder RSS before / after / peak (MB)",
-     lambda r: f"{r['rss_before_mb']:.0f} / {r['rss_after_mb']:.0f} / {r['rss_peak_mb']:.0f}"),
-    ("holder alive at the end", lambda r: "yes" if r["holder_alive"] else "NO"),
-]
-
-
-def render(rows: list[dict[str, Any]], keys: int, header: list[str]) -> str:
-    width = max(len(label) for label, _ in FIGURES)
-    lines = [*header, "", f"{'figure':<{width}}  " + "  ".join(f"{r['phase']:>18}" for r in rows)]
-    lines += [f"{label:<{width}}  " + "  ".join(f"{show(r):>18}" for r in rows)
-              for label, show in FIGURES]
-    return "\n".join(lines + _ratios(rows)) + "\n"
-
-
-def _ratios(rows: list[dict[str, Any]]) -> list[str]:
-    """Per round setting run with several holder counts: rounds/s against one holder."""
-    lines = []
-    for row in rows:
-        one = next((r for r in rows if r["setting"] == row["setting"] and r["holders"] == 1),
-                   None)
-        if row["holders"] > 1 and one is not None and one["rounds_per_s"] > 0:
-            lines.append(f"{row['setting']}: {row['holders']} holders serve "
-                         f"{row['rounds_per_s'] / one['rounds_per_s']:.2f} x the rounds per "
-                         f"second of one ({row['rounds_per_s']:.1f} / {one['rounds_per_s']:.1f})")
-    return ["", *lines] if lines else []
-
-
-def _header(keys: int, seconds: float, took: float, args: argparse.Namespace) -> list[str]:
-    return [
-        f"Holder scale through a real holder: {keys} keys x {CLIENTS_PER_KEY} of {CLIENTS} "
-        f"simulated clients, limit {LIMIT}, demand {DEMAND} per client and key, "
-        f"grant_timeout {GRANT_TIMEOUT:.0f} s,",
-        "one `celery worker --durability-holder` (pool solo, default round_threads 4, 16 shards) "
-        "on Redis + PostgreSQL",
-        "(\"N holders\": N such processes on split --durability-shards ranges, one database; "
-        "their CPU and RSS summed);",
-        f"per round setting a fresh holder serving only that setting, and a {seconds:.0f} s "
-        f"window after {args.settle:g} s of load; the first requests "
-        + (f"spread over {args.stagger:g} s" if args.stagger else "all at once")
-        + f"; the simulator in {args.sim_processes} process(es)"
-        + ("; clients ignore stretched periods (--saturate)." if args.saturate else "."),
-        "Latency: request published -> reply consumed, answered requests only; PG figures are "
-        "pg_stat_database deltas of the run's database.",
-        f"python {platform.python_version()}, {platform.platform()}, {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.2f} at the end, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, the whole run took {took:.0f} s",
-    ]
-
-
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=30.0, help="window per round setting")
-    parser.add_argument("--keys", type=int, default=10_000)
+    parser.add_argument("--keys", nargs="+", type=int, default=[10_000],
+                        help="busy keys, each count in turn (e.g. 250 500 1000 2000 5000 "
+                             "10000: the steps, the largest on time, and the plot)")
     parser.add_argument("--phases", nargs="+", choices=list(PHASES), default=list(PHASES),
                         help="round settings to run (default: all)")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/13")
@@ -380,20 +324,24 @@ def main() -> int:
     }
     _app, durability = holder_app.make_app(config)
     log = Path(tempfile.gettempdir()) / f"holder-scale-{name}.log"
-    rows = []
+    rows: list[dict[str, Any]] = []
+    floor = float("nan")
     try:
         next(iter(durability.semaphores.values())).migrate()  # one database for all of them
         stats = PgStats(admin, name)
+        floor = commit_floor(args.pg_admin, name)
+        print(f"single-row commit floor: {floor:.0f} commits/s", flush=True)
         for phase in args.phases:
             for holders in args.holders:
-                row = measure_phase(phase, config, stats, args.keys, args.seconds, log,
-                                    holders=holders, sim_processes=args.sim_processes,
-                                    settle=args.settle, stagger=args.stagger,
-                                    saturate=args.saturate)
-                rows.append(row)
-                print(f"{row['phase']}: {row['rounds_per_s']:.1f} rounds/s, "
-                      f"p50 {row['p50_ms']:.0f} ms, {row['unanswered']} unanswered",
-                      flush=True)
+                for keys in args.keys:
+                    row = measure_phase(phase, config, stats, keys, args.seconds, log,
+                                        holders=holders, sim_processes=args.sim_processes,
+                                        settle=args.settle, stagger=args.stagger,
+                                        saturate=args.saturate)
+                    rows.append(row)
+                    print(f"{row['phase']}: {row['rounds_per_s']:.1f} rounds/s, "
+                          f"p99 of all {row['p99_all_ms']:.0f} ms, "
+                          f"{row['unanswered']} unanswered", flush=True)
     finally:
         for semaphore in durability.semaphores.values():
             semaphore.close()
@@ -401,24 +349,21 @@ def main() -> int:
         admin.close()
         redis.Redis.from_url(args.redis).flushdb()
     took = time.monotonic() - started
-    text = render(rows, args.keys, _header(args.keys, args.seconds, took, args))
-    warnings = _log_lines(log)
+    text = report.render(rows, report.header(
+        clients=CLIENTS, per_key=CLIENTS_PER_KEY, limit=LIMIT, demand=DEMAND,
+        grant_timeout=GRANT_TIMEOUT, seconds=args.seconds, took=took, settle=args.settle,
+        stagger=args.stagger, sim_processes=args.sim_processes, saturate=args.saturate),
+        floor, REQUEST_TIMEOUT)
+    warnings = report.log_lines(log)
     if warnings:
         text += "\nholder log, WARNING and above (most frequent first):\n" + warnings
     print("\n" + text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text)
-    print(f"written to {RESULTS} (holder log: {log})")
+    plotted = report.plot(rows, floor)
+    print(f"written to {RESULTS}" + (f" and {plotted}" if plotted else "")
+          + f" (holder log: {log})")
     return 0
-
-
-def _log_lines(log: Path) -> str:
-    """The holder's WARNING and ERROR lines, each distinct message once with its count."""
-    counts: Counter[str] = Counter()
-    for line in log.read_text(errors="replace").splitlines():
-        if any(level in line for level in ("WARNING", "ERROR", "CRITICAL")):
-            counts[line.split("]", 1)[-1].strip()[:160]] += 1
-    return "".join(f"  {n} x {text}\n" for text, n in counts.most_common(8))
 
 
 if __name__ == "__main__":
