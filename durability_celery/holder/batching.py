@@ -219,12 +219,18 @@ class Batcher:
 
     def take_due(self, now: float, *, limit: int | None = None) -> list[Job]:
         """Jobs to start now, earliest due first, at most `limit` of them (the rest stay
-        due); their keys are busy until `finished`."""
+        due); their keys are busy until `finished`. Wakes that start no job (stale, a
+        busy key's, a slot to forget) go whatever the limit: with limit 0 this only
+        clears them, so next_wake is then the first due job's or a later one."""
         jobs: list[Job] = []
         wakes = self._wakes
-        while wakes and wakes[0][0] <= now and (limit is None or len(jobs) < limit):
-            at, _, key_id = heapq.heappop(wakes)
+        while wakes and wakes[0][0] <= now:
+            at, _, key_id = wakes[0]
             slot = self._slots.get(key_id)
+            if slot is not None and slot.wake_at == at and not slot.busy and (
+                    limit is not None and len(jobs) >= limit and self._has_job(key_id, slot, now)):
+                break  # due, and no room: it stays on top, and next_wake says how late
+            heapq.heappop(wakes)
             if slot is None or slot.wake_at != at:
                 continue  # stale: forgotten, or woken earlier
             slot.wake_at = None
@@ -238,6 +244,11 @@ class Batcher:
             else:
                 self._reschedule(key_id, slot)
         return jobs
+
+    def _has_job(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
+        """Whether `_job` would start one for this slot now (without starting it)."""
+        return ((bool(slot.waiting) and self._round_at(key_id, slot) <= now)
+                or (slot.alarm_at is not None and slot.alarm_at <= now))
 
     def _job(self, key_id: KeyId, slot: _Slot, now: float) -> Job | None:
         if slot.waiting and self._round_at(key_id, slot) <= now:

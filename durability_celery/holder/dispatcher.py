@@ -254,17 +254,18 @@ class Dispatcher(threading.Thread):
 
     def _start_due_jobs(self) -> None:
         now = self._clock()
-        free = self._round_threads - self._jobs
-        if free > 0:
-            rounds: dict[str, list[Round]] = {}
-            for job in self._batcher.take_due(now, limit=free * MAX_BATCH):
-                if isinstance(job, Round):
-                    rounds.setdefault(job.key_id[0], []).append(job)
-                else:
-                    self._submit(run_reclaim, job)
-            for jobs in rounds.values():
-                for start in range(0, len(jobs), MAX_BATCH):
-                    self._submit(run_batch, jobs[start:start + MAX_BATCH])
+        free = max(0, self._round_threads - self._jobs)
+        # With no thread free this still clears the wakes that start no job (a slot
+        # to forget wakes at once): the lag below is then that of due work only.
+        rounds: dict[str, list[Round]] = {}
+        for job in self._batcher.take_due(now, limit=free * MAX_BATCH):
+            if isinstance(job, Round):
+                rounds.setdefault(job.key_id[0], []).append(job)
+            else:
+                self._submit(run_reclaim, job)
+        for jobs in rounds.values():
+            for start in range(0, len(jobs), MAX_BATCH):
+                self._submit(run_batch, jobs[start:start + MAX_BATCH])
         self._check_overload(now)
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval

@@ -410,6 +410,24 @@ def test_take_due_takes_at_most_limit_jobs_and_keeps_the_rest_due() -> None:
     assert b.take_due(now) == []
 
 
+def test_with_no_room_take_due_still_clears_wakes_that_start_no_job() -> None:
+    # A key whose only job was a reclaim has nothing left to space: its slot is to be
+    # forgotten at once. With every round thread busy (limit 0) that wake must still
+    # go, or the holder reads its lag as now minus minus infinity.
+    b = batcher()
+    b.set_alarm(K, 5.0)
+    assert b.take_due(5.0) == [Reclaim(K)]
+    b.finished(K)
+    b.add(K2, req(5.5, 1))
+    due = b.round_at(K2)
+    assert due is not None and due <= 6.0
+    assert b.take_due(6.0, limit=0) == []
+    assert b.next_wake() == due  # the due round stays on top, and says how late it is
+    (job,) = b.take_due(6.0, limit=1)
+    assert isinstance(job, Round) and job.key_id == K2
+    assert b.next_wake() is None  # and K's slot was forgotten on the way
+
+
 def test_given_back_reads_well_formed_reports_and_skips_the_rest() -> None:
     body: dict[str, object] = {
         "grants": [{"grant_id": "g1", "released": 2}, {"grant_id": 7, "released": 1},
