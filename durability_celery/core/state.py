@@ -111,7 +111,7 @@ class Lease:
 
     @property
     def footprint(self) -> int:
-        """What this lease counts against the budget (invariant 6 of DESIGN.md)."""
+        """What this lease counts against the budget (docs/guarantees.md, "The limit holds")."""
         if self.status == "retired" and self.confirmed:
             return self.drawn - self.released
         return self.permits - self.released

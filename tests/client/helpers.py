@@ -1,5 +1,5 @@
 # Helpers for the client's unit tests: a fake clock and builders of holder
-# replies in the wire shape of DESIGN.md, so each test states only what matters.
+# replies in the wire shape of docs/internals.md, so each test states only what matters.
 from __future__ import annotations
 
 from typing import Any

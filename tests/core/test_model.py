@@ -106,7 +106,7 @@ class SemaphoreModel(RuleBasedStateMachine):
                 del client.leases[le["lease_id"]]
 
     def check_issue_fits(self, *, grant_issued: bool) -> None:
-        """What a round issued fits under the limit in force (invariant 1 of DESIGN.md)."""
+        """What a round issued fits under the limit in force (docs/guarantees.md)."""
         usage = self.sem.usage(KEY, now=self.now)
         limit = self.limits.value
         assert isinstance(limit, int)

@@ -7,7 +7,7 @@
 # - a group's `group_limit` starts raising: that group fails closed (nothing new
 #   admitted, blocked as `limit_resolution_error`) while another group of the
 #   same key keeps running; when the callback answers again, the group resumes.
-# Lowering never revokes running work (DESIGN.md invariant 1).
+# Lowering never revokes running work (docs/guarantees.md).
 from __future__ import annotations
 
 import time
