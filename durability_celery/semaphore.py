@@ -26,7 +26,14 @@ from .callbacks import (
 )
 from .core.clients import Forgotten, forget_client
 from .core.config import Leases, RoundConfig, validate_seconds
-from .core.round import KeyState, reclaim, run_round, with_lease_deadline
+from .core.round import (
+    KeyState,
+    Parsed,
+    parse_messages,
+    reclaim,
+    run_round,
+    with_lease_deadline,
+)
 from .core.usage import Usage, usage
 from .errors import CallerError, ConfigurationError
 from .wire.fields import MAX_KEY_LENGTH
@@ -110,7 +117,7 @@ def _new_id() -> str:
 
 
 class DurabilitySemaphore:
-    """A named budget with one holder state per key, kept in SQL (see DESIGN.md, Public API)."""
+    """A named budget with one holder state per key, kept in SQL (docs/internals.md)."""
 
     migrate = _Migrate()
 
@@ -211,15 +218,18 @@ class DurabilitySemaphore:
         """
         at = self._now(now)
         results: list[list[dict[str, Any]] | Exception | None] = [None] * len(batch)
-        todo: dict[str, tuple[int, Sequence[object], KeyLimits]] = {}
+        todo: dict[str, tuple[int, Parsed, KeyLimits]] = {}
         for index, item in enumerate(batch):
             try:
                 key, messages = self._check_round(item, todo)
-            except CallerError as exc:
+                # Parsed before BEGIN: parsing reads no state, so the key rows are
+                # locked for the round's own work only.
+                parsed = parse_messages(messages, semaphore=self.name, key=key)
+            except Exception as exc:  # a bad item, or a parser failure: its key alone
                 results[index] = exc
                 continue
-            # Resolved before BEGIN: a slow limit callback never holds key rows locked.
-            todo[key] = (index, messages, KeyLimits(self._limits, key))
+            # Resolved before BEGIN too: a slow limit callback never holds key rows locked.
+            todo[key] = (index, parsed, KeyLimits(self._limits, key))
         if todo:
             try:
                 done = store.run_transaction(
@@ -241,7 +251,7 @@ class DurabilitySemaphore:
         return key, messages
 
     def _rounds(self, conn: Connection,
-                todo: dict[str, tuple[int, Sequence[object], KeyLimits]],
+                todo: dict[str, tuple[int, Parsed, KeyLimits]],
                 at: float) -> dict[str, list[dict[str, Any]] | Exception]:
         """The body of `run_rounds`' transaction (run again if its connection was dead)."""
         olds = store.load_many(conn, self.name, todo)

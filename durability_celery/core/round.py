@@ -1,5 +1,6 @@
-# One allocation round for one key, in the order DESIGN.md fixes: validate
-# messages; apply reports; reclaim expired unclaimed grant permits; retire
+# One allocation round for one key, in this order: validate
+# messages (parsing, which reads no state, may be done beforehand: parse_messages);
+# apply reports; reclaim expired unclaimed grant permits; retire
 # leases unreported for ttl; drop leases never acknowledged within the grant
 # timeout; resolve limits (retiring leases they no longer
 # allow); allocate grants to the oldest items first, then leases; answer every
@@ -23,8 +24,8 @@ from .limits import ResolvedLimits
 from .responses import ClientIndex, respond
 from .state import Lease
 
-__all__ = ["Blocked", "KeyState", "LimitSource", "RoundResult", "reclaim", "run_round",
-           "with_lease_deadline"]
+__all__ = ["Blocked", "KeyState", "LimitSource", "Parsed", "RoundResult", "parse_messages",
+           "reclaim", "run_round", "with_lease_deadline"]
 
 
 @dataclass(frozen=True)
@@ -34,18 +35,44 @@ class RoundResult:
     """One per input message, in order; an error answer for each invalid one."""
 
 
-def _validate(
-    messages: Sequence[object], state: KeyState, ledger: Ledger
-) -> list[Request | InvalidMessage]:
-    checked: list[Request | InvalidMessage] = []
+@dataclass(frozen=True)
+class Parsed:
+    """Messages for one key already parsed (parse_messages): a caller that holds locks
+    while a round runs parses before it takes them, since parsing reads no state."""
+
+    semaphore: str
+    key: str
+    items: tuple[Request | InvalidMessage, ...]
+
+
+def parse_messages(messages: Sequence[object], *, semaphore: str, key: str) -> Parsed:
+    """Each message parsed for (semaphore, key), or the InvalidMessage it raised: the part
+    of a round's validation that needs no state (run_round takes the result)."""
+    items: list[Request | InvalidMessage] = []
     for raw in messages:
         try:
-            request = parse_request(raw, semaphore=state.semaphore, key=state.key)
-            ledger.check_ownership(request)
+            items.append(parse_request(raw, semaphore=semaphore, key=key))
         except InvalidMessage as exc:
-            checked.append(exc)
-        else:
-            checked.append(request)
+            items.append(exc)
+    return Parsed(semaphore, key, tuple(items))
+
+
+def _validate(
+    messages: Sequence[object] | Parsed, state: KeyState, ledger: Ledger
+) -> list[Request | InvalidMessage]:
+    if not isinstance(messages, Parsed):
+        messages = parse_messages(messages, semaphore=state.semaphore, key=state.key)
+    elif (messages.semaphore, messages.key) != (state.semaphore, state.key):
+        raise ValueError("messages parsed for another key than the state's")
+    checked: list[Request | InvalidMessage] = []
+    for request in messages.items:
+        if isinstance(request, Request):
+            try:
+                ledger.check_ownership(request)
+            except InvalidMessage as exc:
+                checked.append(exc)
+                continue
+        checked.append(request)
     return checked
 
 
@@ -162,14 +189,15 @@ def _over_limit(ledger: Ledger, limits: ResolvedLimits, config: RoundConfig) -> 
 
 def run_round(
     state: KeyState,
-    messages: Sequence[object],
+    messages: Sequence[object] | Parsed,
     *,
     config: RoundConfig,
     limits: LimitSource,
     now: float,
     new_id: Callable[[], str],
 ) -> RoundResult:
-    """Run one round over a batch of messages for `state.key`."""
+    """Run one round over a batch of messages for `state.key`: raw wire messages, or
+    the same parsed beforehand (parse_messages)."""
     ledger = Ledger.of(state.grants, state.leases)
     checked = _validate(messages, state, ledger)
     for request in checked:

@@ -8,6 +8,7 @@ import pytest
 from core_harness import KEY, Limits, granted, request, sync
 
 from durability_celery.core.config import Leases, Over, RoundConfig, Strict, Under
+from durability_celery.core.round import KeyState, parse_messages, run_round
 from durability_celery.errors import ConfigurationError
 
 T0 = 1_000.0
@@ -130,3 +131,11 @@ def test_a_key_no_round_could_serve_is_refused_before_the_round(key: Any) -> Non
         check_key(key)
     assert raised.value.code == "invalid_message"
     assert check_key("k" * MAX_KEY_LENGTH) == "k" * MAX_KEY_LENGTH
+
+
+def test_messages_parsed_for_another_key_are_refused() -> None:
+    config = RoundConfig("s", grant_timeout=10)
+    parsed = parse_messages([], semaphore="s", key="other")
+    with pytest.raises(ValueError, match="another key"):
+        run_round(KeyState("s", KEY), parsed, config=config, limits=Limits(1), now=T0,
+                  new_id=lambda: "id")

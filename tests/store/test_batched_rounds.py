@@ -163,6 +163,29 @@ def test_bad_items_fail_alone_and_a_batch_of_failures_commits_nothing(
     assert sem.keys() == ["ok"]  # the failed first round's key row was rolled back
 
 
+def test_messages_are_parsed_before_the_transaction_and_a_parser_failure_fails_alone(
+        make_sem: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    sem = make_sem(limit=2)
+    real = semaphore_module.parse_messages
+    connections_out: list[int] = []
+
+    def parse_messages(messages: Any, *, semaphore: str, key: str) -> Any:
+        connections_out.append(sem.engine.pool.checkedout())
+        if key == "chokes":
+            raise RuntimeError("the parser choked")
+        return real(messages, semaphore=semaphore, key=key)
+
+    monkeypatch.setattr(semaphore_module, "parse_messages", parse_messages)
+    ask = {"type": "request", "v": 1, "semaphore": sem.name, "key": "ok", "client_id": "c",
+           "demand": [{"group": None, "count": 1, "oldest_at": T0}]}
+    ok, failed = sem.run_rounds([("ok", [ask]), ("chokes", [ask | {"key": "chokes"}])],
+                                now=T0)
+    assert connections_out == [0, 0]  # no transaction open while parsing
+    assert isinstance(ok, list) and ok[0]["grants"][0]["permits"] == 1
+    assert isinstance(failed, RuntimeError)
+    assert sem.keys() == ["ok"]  # the failed key got no row
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 def test_two_holders_with_overlapping_batches_never_over_allocate_or_deadlock(
