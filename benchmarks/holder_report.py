@@ -4,8 +4,10 @@
 # A step is on time when every key keeps up with round_period and requests are
 # answered promptly: p99 of every request's wait (an unanswered one's age at the
 # end counts, as a lower bound) within round_period + round_wait + 0.5 s, and
-# key-rounds/s at least 0.9 of keys / round_period (a holder that stretches its
-# periods under load answers fast but serves its keys less often).
+# key-rounds/s at least 0.8 of keys / round_period (a holder that stretches its
+# periods under load answers fast but serves its keys less often; a key's cycle is
+# a period plus its round trip and gathering moment, so even an idle holder reads
+# about 0.9).
 from __future__ import annotations
 
 import os
@@ -18,7 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "benchmarks-holder.png"
-KEPT_UP = 0.9
+KEPT_UP = 0.8
 """Share of keys / round_period a step must serve to count as on time."""
 SLACK_S = 0.5
 

@@ -64,6 +64,7 @@ from benchmarks import holder_report as report  # noqa: E402
 from benchmarks.cluster import stop_process  # noqa: E402
 from benchmarks.holder_sim import CLIENTS, CLIENTS_PER_KEY, DEMAND, Simulators, Tally  # noqa: E402
 from durability_celery.settings import DurabilitySettings  # noqa: E402
+from durability_celery.store import schema  # noqa: E402
 from durability_celery.wire.routing import shard_for  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "holder_scale.txt"
@@ -210,6 +211,17 @@ def commit_floor(admin_url: str, database: str, seconds: float = 3.0) -> float:
     return rate
 
 
+def _fresh_tables(database_url: str) -> None:
+    """Empty the store's tables: each column starts as a new deployment. The unclaimed
+    grants of the previous column's last replies would otherwise hold its keys' budgets
+    until grant_timeout, and its clients' rows would stay."""
+    tables = ", ".join(t.name for t in (schema.grants, schema.leases, schema.clients,
+                                         schema.keys))
+    with psycopg.connect(database_url.replace("postgresql+psycopg://", "postgresql://"),
+                         autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {tables}")
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: after[name] - before[name] for name in after}
 
@@ -219,6 +231,7 @@ def measure_phase(name: str, config: dict[str, Any], stats: PgStats, keys: int, 
                   stagger: float = 0.0, saturate: bool = False) -> dict[str, Any]:
     wait, period = PHASES[name]
     redis.Redis.from_url(config["broker_url"]).flushdb()
+    _fresh_tables(config["semaphores"][0]["database"])
     # This phase's holders serve only this phase's semaphore: the keys and the
     # outstanding grants of an earlier phase stay out of their schedulers and scans.
     only = {**config, "semaphores": [s for s in config["semaphores"] if s["name"] == name]}
