@@ -194,7 +194,6 @@ class Dispatcher(threading.Thread):
             self._running -= 1
             self._jobs -= 1
             self.pressure.shed += event.shed
-            self.pressure.waited(event.took)
             for job, responses in event.rounds:
                 self._round_done(job, responses)
         elif isinstance(event, ReclaimDone):

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,6 @@ class BatchDone:
     """Each round with its responses; None: that round failed, nothing of it committed."""
     shed: int = 0
     """Requests answered with a newer one's response (shedding.answered_by)."""
-    took: float = 0.0
-    """Seconds the batch ran: its requests' replies waited that long for it."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,6 @@ class ScanDone:
 
 def run_batch(semaphores: Mapping[str, Any], jobs: list[Round]) -> BatchDone:
     """The rounds of `jobs` (keys of one semaphore) in one transaction."""
-    started = time.monotonic()
     semaphore = jobs[0].key_id[0]
     answers = _shed(semaphore, jobs)
     try:
@@ -63,7 +59,7 @@ def run_batch(semaphores: Mapping[str, Any], jobs: list[Round]) -> BatchDone:
         logger.exception("durability holder: answering a round batch failed")
         done = tuple((job, None) for job in jobs)
     shed = sum(1 for mine in answers for a in mine if a is not None)
-    return BatchDone(done, shed, time.monotonic() - started)
+    return BatchDone(done, shed)
 
 
 def _shed(semaphore: str, jobs: list[Round]) -> list[list[int | None]]:

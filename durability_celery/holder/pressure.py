@@ -3,9 +3,11 @@
 # metrics); the dispatcher thread alone calls `observe`, anything may read.
 #
 # The measure is the lag of due work: how long the earliest due round or reclaim
-# has waited for a round thread, or a round batch ran, or requests wait in the
-# shard queues. A holder that cannot keep up sees it grow, and each client's
-# next request then waited that long more. The remedy is fewer
+# has waited for a round thread, or requests wait in the shard queues. How long
+# a batch runs is not counted: that is service time, and stretching periods while
+# round threads are free would only leave the holder idle. A holder that cannot
+# keep up sees the lag grow, and each client's next request then waited that
+# long more. The remedy is fewer
 # rounds per busy key: the holder stretches every period it tells (its replies'
 # next_request_at, and when its batcher serves the requests told to come) by
 # `extra` seconds, so each key's cycle keeps its length but spends it with the
@@ -58,8 +60,8 @@ class PressureView:
     extra: float
     """Seconds added to every period the holder tells (0: none)."""
     lag: float
-    """Seconds requests waited lately, at most (for a round thread, in a round batch,
-    in the shard queues)."""
+    """Seconds requests waited lately, at most (for a round thread, in the shard
+    queues)."""
     waiting: int
     """Requests held for rounds."""
     shed: int
@@ -99,8 +101,7 @@ class Pressure:
             self._shortest_period())
 
     def waited(self, seconds: float) -> None:
-        """Requests waited `seconds` where the lag of due work cannot see them: in a
-        round batch that ran that long (taken, they are no longer due), or in the
+        """Requests waited `seconds` where the lag of due work cannot see them: in the
         shard queues before the consumer took them (HolderConsumer)."""
         self._peak = max(self._peak, seconds)
 

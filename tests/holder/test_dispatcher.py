@@ -309,6 +309,22 @@ def test_due_rounds_waiting_for_busy_threads_make_it_say_it_is_overloaded(
         dispatcher.stop(timeout=5)
 
 
+def test_a_long_batch_with_nothing_else_due_stretches_nothing() -> None:
+    # A batch that takes long is service time, not a backlog: a holder with its round
+    # threads free is not behind, and stretching periods would only idle it.
+    sem, pub, dispatcher = _one_thread_busy_with_first()
+    try:
+        time.sleep(0.5)  # ten round_periods in one batch, and nothing else due
+        sem.gates["first"].set()
+        wait_for(lambda: len(pub.sent) == 1)
+        time.sleep(0.3)  # past the pressure's next look
+        assert dispatcher.pressure.extra == 0.0 and not dispatcher.overloaded
+    finally:
+        dispatcher.stop(timeout=5)
+    answer = pub.sent[0][2]
+    assert answer["next_request_at"] - answer["round_at"] <= sem.config.round_period
+
+
 def test_a_holder_behind_stretches_the_next_request_at_of_its_replies() -> None:
     sem, pub, dispatcher = _one_thread_busy_with_first()
     try:
