@@ -298,7 +298,19 @@ class Permits:
             if lease is None or lease.retired:
                 return -math.inf
             return min(until, lease.usable_until(settings.claim_margin))
-        return until if permit.source_id in ledger.grants else -math.inf
+        grant = ledger.grants.get(permit.source_id)
+        if grant is None or grant.claimed > grant.permits:
+            # Some of its claims reached the holder too late and are charged as a late
+            # lease: the holder gave those permits out again, and a chain on one of them
+            # would stretch that over-admission from one task to the handoff window.
+            return -math.inf
+        if grant.unreported_claims():
+            # A handoff is a new use of the claim: until the holder acknowledges it, it
+            # stops where claiming stops, a claim margin before the deadline at which
+            # the holder reclaims a claim it has not heard of (as an unacknowledged
+            # lease's draws do).
+            return min(until, grant.claim_deadline - settings.claim_margin)
+        return until
 
     def _claimable(self, permit: Permit, now: float) -> bool:
         ledger = self._ledgers[permit.key]

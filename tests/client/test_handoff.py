@@ -34,6 +34,11 @@ def granted(clock: FakeClock, *, window: float = 60.0, linger: float = 0.0, perm
     client.on_response(KEY, reply(clock.now, grants=[
         grant("g1", permits=permits, claim_deadline=clock.now + 10)]))
     assert len(client.admit()) == permits
+    # The holder heard of the claims: they pass on for the whole window, not only until
+    # a claim margin before the deadline (see the tests of unacknowledged claims).
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=permits, claimed=permits, claim_deadline=clock.now + 10)]))
     for group, item, at in items:
         client.enqueue(KEY, group, item, enqueued_at=at)
     return client
@@ -95,6 +100,59 @@ def test_a_chain_ends_handoff_window_after_the_claim() -> None:
     assert client.pass_on("q1") is None
     assert client.held() == {KEY: {None: 1}}
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def claimed_unheard(clock: FakeClock) -> SemaphoreClient:
+    """A client whose item run-0 claimed grant g1 (group g1, deadline 3 s away, claim
+    margin 0.5 s), the message reporting that claim lost, and q0-q2 queued behind it."""
+    client = make_client(clock, handoff_window=60.0, claim_margin=0.5)
+    client.enqueue(KEY, "g1", "run-0", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", group="g1", permits=1, claim_deadline=clock.now + 3)]))
+    assert [p.item_id for p in client.admit()] == ["run-0"]
+    client.message(KEY)
+    client.on_failure(KEY)  # lost: the holder has not heard of the claim
+    for i in range(3):
+        client.enqueue(KEY, "g1", f"q{i}", enqueued_at=2.0 + i)
+    return client
+
+
+def test_an_unheard_claim_passes_on_no_later_than_a_claim_could_be_made() -> None:
+    """The holder reclaims a claim it has not heard of at the claim deadline and gives
+    the permit out again: passing it on there would run a second item of the group
+    beside that one, and every later handoff would prolong the overlap."""
+    clock = FakeClock()
+    client = claimed_unheard(clock)
+    clock.advance(1.0)
+    passed = client.pass_on("run-0")
+    assert passed is not None and passed.item_id == "q0", "still in time to be heard"
+    clock.advance(1.6)  # within the claim margin of the deadline
+    assert client.pass_on("q0") is None
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+    assert client.admit() == [], "no claim there either"
+
+
+def test_a_heard_claim_passes_on_past_its_claim_deadline() -> None:
+    clock = FakeClock()
+    client = claimed_unheard(clock)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", group="g1", permits=1, claimed=1, claim_deadline=clock.now + 3)]))
+    clock.advance(10.0)
+    passed = client.pass_on("run-0")
+    assert passed is not None and passed.item_id == "q0"
+
+
+def test_a_claim_the_holder_counted_too_late_is_not_passed_on() -> None:
+    """Reclaimed before the claim reached the holder: charged as a late lease until its
+    item ends, never passed on (the holder gave the permit out again)."""
+    clock = FakeClock()
+    client = claimed_unheard(clock)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[grant("g1", status="not_found")]))
+    assert client.pass_on("run-0") is None
+    assert lease_reports(client.message(KEY)) == {"late:g1": (1, 1, True)}
 
 
 def test_window_zero_is_the_specs_one_shot_permit() -> None:

@@ -36,6 +36,11 @@ CASES = {
 def test_lossy_wire_keeps_every_invariant(fault_cluster: Callable[..., FaultCluster],
                                           case: str) -> None:
     leases, handoff_window = CASES[case]
+    # claim_margin is shorter than a lost message's retry (request_timeout plus backoff),
+    # so now and then a claim's report misses its deadline and the holder gives the permit
+    # out again (docs/guarantees.md, late claims). No ceiling shows it only because a task
+    # ends well within the margin and such a claim is not passed on past it (a chain of
+    # tasks on it went on after the holder had given the permit out again).
     cluster = fault_cluster(limits=LIMITS, group_limits=GROUP_LIMITS, leases=leases,
                             grant_timeout=GRANT_TIMEOUT, env={"DC_FAULT_WIRE": WIRE},
                             settings={"request_timeout": 1.0, "claim_margin": 0.5},
