@@ -326,10 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 DurabilitySemaphore.migrate(url)
             lines.append(f"# PostgreSQL durable commit alone: {_commit_latency_ms(pg_url):.2f} ms")
             print("\n".join(lines))
-            print(header)
-            lines.append(header)
             cases = () if args.versus_only else (
                 ("core", ""), ("sqlite", sqlite_url), ("postgresql", pg_url))
+            if cases:
+                print(header)
+                lines.append(header)
             for backend, url in cases:
                 for clients, groups in SIZES:
                     if backend == "core":
@@ -342,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             versus = versus_minimal_sql(pg_url)
         finally:
             drop()
-    growth = _growth(results)
+    growth = _growth(results) if results else []
     print("\n".join(growth))
     lines += growth
     if versus is not None:

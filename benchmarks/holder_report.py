@@ -192,7 +192,7 @@ def plot(rows: list[dict[str, Any]], floor_per_s: float, path: Path = PLOT) -> P
     rate.set_ylabel("key-rounds per second (log)")
     wait.set_yscale("log")
     wait.set_ylabel("p99 request -> reply, s (log)")
-    fig.suptitle("One holder process against busy keys")
+    fig.suptitle("Holder processes against busy keys (each a fresh holder)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -68,6 +68,7 @@ from durability_celery.store import schema  # noqa: E402
 from durability_celery.wire.routing import shard_for  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "holder_scale.txt"
+"""The latest run's report; its rows go to holder_scale.json (the plot is made from them)."""
 LIMIT = CLIENTS_PER_KEY * DEMAND  # every round can serve the whole demand: keys stay busy
 PHASES = {"short": (0.01, 0.05), "default": (1.0, 2.0)}  # name: (round_wait, round_period)
 # Longer than a window, so no grant expires mid-run: a saturated holder answers
@@ -373,6 +374,7 @@ def main() -> int:
     print("\n" + text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text)
+    RESULTS.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=dict) + "\n")
     plotted = report.plot(rows, floor)
     print(f"written to {RESULTS}" + (f" and {plotted}" if plotted else "")
           + f" (holder log: {log})")
