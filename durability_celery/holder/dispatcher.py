@@ -19,10 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..wire.error import error_reply
+from ..wire.error import error_message_of, error_reply, is_error
 from .batching import Batcher, KeyId, Round, Waiting
 from .jobs import BatchDone, ReclaimDone, ScanDone, run_batch, run_reclaim, scan
-from .outcomes import blocked_by, claim_deadlines, round_at_of
+from .outcomes import blocked_by, claim_deadlines, first_round_at
 from .pressure import Pressure
 from .replies import ReplyPublisher
 
@@ -229,7 +229,7 @@ class Dispatcher(threading.Thread):
         # Its replies tell clients to come a stretched period later if the holder is
         # behind: the batcher gathers them then (parked requests wait for it).
         told = self.pressure.period(period) if self.pressure.extra > 0.0 else None
-        self._batcher.finished(key_id, round_at=round_at_of(responses),
+        self._batcher.finished(key_id, round_at=first_round_at(responses),
                                blocked=blocked_by(job, responses), period=told)
         if responses is None:
             answers: Iterable[dict[str, Any]] = [
@@ -242,12 +242,12 @@ class Dispatcher(threading.Thread):
             for response in responses:
                 self.pressure.stretch_reply(response, period)
         for request, answer in zip(job.requests, answers, strict=True):
-            if "error" in answer and responses is not None:
+            if is_error(answer) and responses is not None:
                 # Refused by validation (it changed nothing): say so even when
                 # there is no one to answer, so hostile or broken senders show up.
                 logger.warning("holder: refused a message for %s/%s (reply_to=%s): %s",
                                key_id[0], key_id[1], request.reply_to or "-",
-                               answer["error"].get("message"))
+                               error_message_of(answer))
             if request.reply_to:
                 self._publisher.publish(request.reply_to, request.correlation_id, answer)
 

@@ -9,6 +9,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import InfrastructureError, SchemaMissing
+from ..wire.error import is_error
+from ..wire.reply import (
+    blocked_groups,
+    claim_deadlines_of,
+    is_over_limit,
+    round_at_of,
+    unacknowledged_expiries,
+)
 from ..wire.request import asked_groups, client_of
 from .batching import KeyId, Round
 
@@ -44,23 +52,16 @@ def claim_deadlines(responses: Iterable[dict[str, Any]]) -> Iterable[float]:
     """Claim deadlines of the grants with unclaimed permits named in these responses,
     and the expiry of each unacknowledged lease (dropped then, see Lease.acknowledged)."""
     for response in responses:
-        for grant in response.get("grants") or ():
-            if (grant.get("status") == "active"
-                    and grant.get("claimed", 0) < grant.get("permits", 0)
-                    and isinstance(grant.get("claim_deadline"), int | float)):
-                yield float(grant["claim_deadline"])
-        for lease in response.get("leases") or ():
-            if (lease.get("acknowledged") is False
-                    and isinstance(lease.get("expires_at"), int | float)):
-                yield float(lease["expires_at"])
+        yield from claim_deadlines_of(response)
+        yield from unacknowledged_expiries(response)
 
 
-def round_at_of(responses: list[dict[str, Any]] | None) -> float | None:
+def first_round_at(responses: list[dict[str, Any]] | None) -> float | None:
     """The round's own timestamp, from any successful response."""
     for response in responses or ():
-        at = response.get("round_at")
-        if isinstance(at, int | float) and not isinstance(at, bool):
-            return float(at)
+        at = round_at_of(response)
+        if at is not None:
+            return at
     return None
 
 
@@ -73,11 +74,10 @@ def blocked_by(job: Round, responses: list[dict[str, Any]] | None,
     blocked: dict[str, frozenset[str | None]] = {}
     for request, response in zip(job.requests, responses, strict=True):
         client = client_of(request.body)
-        if client is None or "error" in response:
+        if client is None or is_error(response):
             continue
-        groups = {entry.get("group") for entry in response.get("blocked") or ()
-                  if isinstance(entry, dict)}
-        if response.get("over_limit"):
+        groups = blocked_groups(response)
+        if is_over_limit(response):
             groups |= asked_groups(request.body)
         blocked[client] = blocked.get(client, frozenset()) | groups
     return blocked

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..wire.reply import ask_no_sooner, round_at_of
+
 logger = logging.getLogger("durability_celery.holder")
 
 TARGET_LAG_SHARE = 0.25
@@ -160,11 +162,9 @@ class Pressure:
         period after its round. A blocked client too: told to ask at once, its request
         would wait at the holder for the period plus the lag, which then grows: the
         prompt round it waits for is lost in the lag anyway."""
-        if not self.behind or "error" in response:
-            return
-        round_at, told = response.get("round_at"), response.get("next_request_at")
-        if isinstance(round_at, int | float) and isinstance(told, int | float):
-            response["next_request_at"] = max(told, round_at + self.period(round_period))
+        round_at = round_at_of(response)
+        if self.behind and round_at is not None:
+            ask_no_sooner(response, round_at + self.period(round_period))
 
 
 def _target(shortest_period: float) -> float:

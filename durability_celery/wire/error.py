@@ -37,3 +37,18 @@ def parse_error(error: object) -> ErrorReply:
         raise InvalidMessage("error", "must be an object")
     return ErrorReply(code=str(error.get("code", "unknown")),
                       message=str(error.get("message", "")))
+
+
+# --- hints: what a built answer says, read without validation ------------------
+
+
+def is_error(raw: Mapping[str, Any]) -> bool:
+    """Whether an answer is an error reply rather than a round's response."""
+    return "error" in raw
+
+
+def error_message_of(raw: Mapping[str, Any]) -> str | None:
+    """The message of an error reply, if it carries one as text."""
+    error = raw.get("error")
+    message = error.get("message") if isinstance(error, Mapping) else None
+    return message if isinstance(message, str) else None

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -274,3 +274,70 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
         leases=tuple(_lease(le, f"leases[{i}].") for i, le in enumerate(_list(raw, "leases"))),
         blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),
     )
+
+
+# --- hints: what a built reply says, read without validation ------------------
+# The holder reads its own replies (built above) to arm alarms and pace its clients.
+# A field missing or of the wrong kind reads as nothing here, never as an error.
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _entries(raw: Mapping[str, Any], name: str) -> Iterator[Mapping[str, Any]]:
+    entries = raw.get(name)
+    if isinstance(entries, list):
+        yield from (entry for entry in entries if isinstance(entry, Mapping))
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def round_at_of(raw: Mapping[str, Any]) -> float | None:
+    """The round's timestamp a reply carries (None: an error reply)."""
+    return _number(raw.get("round_at"))
+
+
+def next_request_at_of(raw: Mapping[str, Any]) -> float | None:
+    """When a reply tells its client to ask next."""
+    return _number(raw.get("next_request_at"))
+
+
+def ask_no_sooner(raw: dict[str, Any], at: float) -> None:
+    """Tell the client of a reply to ask no sooner than `at`; a reply that tells no
+    time (an error reply) is left as it is."""
+    told = next_request_at_of(raw)
+    if told is not None:
+        raw["next_request_at"] = max(told, at)
+
+
+def claim_deadlines_of(raw: Mapping[str, Any]) -> Iterator[float]:
+    """The claim deadline of each active grant of a reply with permits left unclaimed."""
+    for grant in _entries(raw, "grants"):
+        deadline = _number(grant.get("claim_deadline"))
+        if (grant.get("status") == "active" and deadline is not None
+                and _int(grant.get("claimed")) < _int(grant.get("permits"))):
+            yield deadline
+
+
+def unacknowledged_expiries(raw: Mapping[str, Any]) -> Iterator[float]:
+    """The expiry of each lease of a reply its client has not acknowledged (the holder
+    drops it then, see LeaseView.acknowledged)."""
+    for lease in _entries(raw, "leases"):
+        expires_at = _number(lease.get("expires_at"))
+        if lease.get("acknowledged") is False and expires_at is not None:
+            yield expires_at
+
+
+def blocked_groups(raw: Mapping[str, Any]) -> frozenset[str | None]:
+    """The groups whose demand a reply says was left blocked."""
+    return frozenset(entry.get("group") for entry in _entries(raw, "blocked"))
+
+
+def is_over_limit(raw: Mapping[str, Any]) -> bool:
+    """Whether a reply says its key holds more than a ceiling (see Reply.over_limit)."""
+    return bool(raw.get("over_limit"))
