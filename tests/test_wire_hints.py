@@ -20,6 +20,7 @@ from durability_celery.wire.reply import (
     round_at_of,
     unacknowledged_expiries,
 )
+from durability_celery.wire.request import address_of
 
 JUNK: list[Any] = [None, True, "x", 1, [], {}, [None, 1, "x"], {"status": "active"}]
 
@@ -73,3 +74,11 @@ def test_a_field_of_the_wrong_kind_reads_as_nothing(junk: Any) -> None:
                        "claim_deadline": junk}],
            "leases": [{"acknowledged": False, "expires_at": junk}]}
     assert list(claim_deadlines_of(raw)) == [] and list(unacknowledged_expiries(raw)) == []
+
+
+def test_a_raw_request_names_its_address_only_as_two_strings() -> None:
+    assert address_of({"semaphore": "s", "key": "k", "type": "request"}) == ("s", "k")
+    for junk in (j for j in JUNK if not isinstance(j, str)):
+        assert address_of({"semaphore": junk, "key": "k"}) is None
+        assert address_of({"semaphore": "s", "key": junk}) is None
+    assert address_of({}) is None

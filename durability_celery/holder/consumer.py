@@ -20,7 +20,7 @@ from kombu.mixins import ConsumerMixin
 from ..compat.wire import decoded_json
 from ..errors import InvalidMessage
 from ..queues import holder_queue_declaration
-from ..wire.request import MAX_BODY_BYTES, check_key
+from ..wire.request import MAX_BODY_BYTES, address_of, check_key
 from .batching import KeyId, Waiting
 from .dispatcher import Dispatcher
 from .intake import Drain, Unavailable, redis_drain
@@ -237,11 +237,12 @@ class HolderConsumer(ConsumerMixin):
         body = self._decode(message, reply_to, correlation_id)
         if body is None:
             return
-        name, key = body.get("semaphore"), body.get("key")
-        if not isinstance(name, str) or not isinstance(key, str):
+        address = address_of(body)
+        if address is None:
             self._reject(reply_to, correlation_id, "invalid_message",
                          "semaphore and key must be strings")
             return
+        name, key = address
         if name not in self._semaphores:
             self._reject(reply_to, correlation_id, "unknown_semaphore",
                          f"this holder does not serve semaphore {name!r}")

@@ -297,3 +297,11 @@ def asked_groups(raw: Mapping[str, Any]) -> frozenset[str | None]:
     if not isinstance(demand, list):
         return frozenset()
     return frozenset(entry.get("group") for entry in demand if isinstance(entry, dict))
+
+
+def address_of(raw: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The (semaphore, key) a raw request is addressed to, if both are strings."""
+    semaphore, key = raw.get("semaphore"), raw.get("key")
+    if isinstance(semaphore, str) and isinstance(key, str):
+        return semaphore, key
+    return None
