@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from .app import Durability, durability_for
+from .blocking import BlockingClient
 from .client import Permit, SemaphoreClient
-from .client.blocking import BlockingClient
 from .core.config import Leases, Over, Strict, Under
 from .core.usage import GroupUsage, Usage
 from .errors import (

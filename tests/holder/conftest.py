@@ -23,7 +23,7 @@ from holder_app import CONFIG_ENV, make_app  # noqa: E402
 from support import Proc, Processes, create_postgres_database, filesystem_broker  # noqa: E402
 
 from durability_celery.app import Durability  # noqa: E402
-from durability_celery.client.blocking import BlockingClient  # noqa: E402
+from durability_celery.blocking import BlockingClient  # noqa: E402
 from durability_celery.semaphore import DurabilitySemaphore  # noqa: E402
 
 REDIS_DB = 1

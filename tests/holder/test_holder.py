@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from durability_celery.client.blocking import BlockingClient
+from durability_celery.blocking import BlockingClient
 from durability_celery.core.config import GATHER
 
 from .conftest import HolderRig

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from durability_celery.client.blocking import BlockingClient
+from durability_celery.blocking import BlockingClient
 from tests.worker.conftest import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -15,12 +15,12 @@ from typing import Any
 
 from kombu.messaging import Consumer
 
-from ..errors import InfrastructureError, RequestTimeout
-from ..queues import holder_queue_declaration, reply_queue_declaration
-from ..registry import configuration_of
-from ..roundtrip import await_replies, publish_request
-from ..wire.routing import reply_queue, safe_queue_part
 from .client import Permit
+from .errors import InfrastructureError, RequestTimeout
+from .queues import holder_queue_declaration, reply_queue_declaration
+from .registry import configuration_of
+from .roundtrip import await_replies, publish_request
+from .wire.routing import reply_queue, safe_queue_part
 
 logger = logging.getLogger("durability_celery.client")
 
