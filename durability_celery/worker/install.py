@@ -91,6 +91,8 @@ def _admitted_task(name: Any) -> AdmittedTask | None:
 def _final_reports(**_: Any) -> None:
     """Warm shutdown, after the pool drained: stop leases and report everything."""
     for step in list(_steps):
+        if not step.began:
+            continue  # an idle gate (a holder's) has nothing to report
         try:
             final_report(step, limit=FINAL_REPORT_LIMIT)
         except Exception:

@@ -113,6 +113,11 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         self._wake_pending = False
         self._collect_wanted = False
         self._running = False
+        self._asleep = False
+        """Started on a worker that consumes no task queue: the gate begins at its first
+        wake (a task reached it after all), and not before."""
+        self.began = False
+        """The gate ran in this process: only then has it anything to report at shutdown."""
         self._running_deferred = False
         self._parked = False
         """A chain out of budget waits for the loop's next turn (_resume_later)."""
@@ -214,20 +219,30 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             no_ack=True, accept=["json"])]
 
     def start(self, c: Any) -> None:
-        super().start(c)
         tasks_channel = celery_worker.task_channel(c)
         self._give_back(tasks_channel)
         watch_pops(tasks_channel, self._unrecorded)
         self.gate.loop_thread = threading.get_ident()
+        # The control queue carries beat's and reconcile's plain tasks alone: a worker
+        # consuming nothing else (a holder as deployed) is never sent an admitted task,
+        # so its gate neither consumes a reply queue nor runs a pump timer until one is.
+        if not celery_worker.task_queue_names(c) - {self.durability.control_queue}:
+            self.consumers = None
+            self._asleep = True
+            logger.info("durability: gate idle: this worker consumes no task queue")
+            return
+        self._begin(c)
+        warn_about_prefetch(c.app.conf)
+
+    def _begin(self, c: Any) -> None:
+        super().start(c)
+        self._asleep = False
+        self.began = True
         self._running = True
         self._timers = [c.timer.call_repeatedly(PUMP_INTERVAL, self.pump),
                         c.timer.call_repeatedly(SUMMARY_INTERVAL, log_summary, (self.gate,))]
         logger.info("durability: gate started as client %s (hold deadline %.0fs, max held %d)",
                     self.client_id, self.gate.hold_deadline, self.gate.max_held)
-        # The control queue carries beat's and reconcile's plain tasks alone: a worker
-        # consuming nothing else (a holder as deployed) is never sent an admitted task.
-        if celery_worker.task_queue_names(c) - {self.durability.control_queue}:
-            warn_about_prefetch(c.app.conf)
 
     def stop(self, c: Any) -> None:
         self._close_gate()
@@ -239,6 +254,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def _close_gate(self) -> None:
         self._running = False  # a wake already scheduled must not publish on a closed channel
+        self._asleep = False
         for entry in self._timers:
             entry.cancel()
         self._timers = []
@@ -324,7 +340,9 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             collect = collect or self._collect_wanted
             self._collect_wanted = False
         if not self._running:
-            return
+            if not self._asleep:
+                return
+            self._begin(self.c)  # a task reached a gate that slept: a queue was added
         try:
             if collect:
                 self._fit_pool()

@@ -35,12 +35,13 @@ def keys_of(shards: tuple[int, ...], count: int) -> list[str]:
 def the_gate_warns_only_where_admitted_tasks_may_come(rig: HolderRig, holder: Proc) -> None:
     """The app keeps Celery's prefetch multiplier (4), against the gate: a client worker
     says so, a holder consuming the control queue alone (never sent an admitted task)
-    does not, though its gate starts too."""
+    does not, and its gate stays idle."""
     tasks = f"{rig.durability.settings.queue_prefix}.tasks"
     client = rig.start_worker("--pool=solo", f"--queues={tasks}", name="client")
     client.wait_for_log(PREFETCH_WARNING, timeout=20)
     client.stop()
-    holder.wait_for_log(r"gate started", timeout=20)
+    holder.wait_for_log(r"gate idle", timeout=20)
+    assert re.search(r"gate started", holder.log()) is None
     assert re.search(PREFETCH_WARNING, holder.log()) is None
 
 

@@ -36,7 +36,7 @@ def gate_database() -> Iterator[str]:
         drop()
 
 
-_LIFECYCLE = re.compile(r"WARNING|ERROR|CRITICAL|Connected to|gate started|re-establish")
+_LIFECYCLE = re.compile(r"WARNING|ERROR|CRITICAL|Connected to|gate started|gate idle|re-establish")
 
 
 def log_digest(log: str, *, lines: int = 40, tail: int = 3000) -> str:

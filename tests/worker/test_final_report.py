@@ -29,6 +29,7 @@ class Step:
         self.durability = durability
         self.gate = gate
         self.client_id = "w1/final"
+        self.began = True  # a gate that ran, with reports to send
         self.c = type("Consumer", (), {"app": durability.app})()
         self.reply_queue = reply_queue_declaration("final.reply.w1", expires=60)
 
