@@ -2,7 +2,7 @@
 # that fails raises InvalidMessage naming it; reading never changes any state.
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import InvalidMessage
@@ -36,3 +36,26 @@ def ident(value: Any, field: str) -> str:
 def optional_ident(value: Any, field: str) -> str | None:
     """None, or an id as `ident` takes it (a group: None is the key's default group)."""
     return None if value is None else ident(value, field)
+
+
+# --- lenient readers: what the hints of request.py and reply.py share ---------
+# A field missing or of the wrong kind reads as nothing, never as an error.
+
+
+def number_or_none(value: Any) -> float | None:
+    """`value` as a float if it is a JSON number (not a boolean)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def int_or_zero(value: Any) -> int:
+    """`value` if it is an integer (not a boolean), else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def objects_in(raw: Mapping[str, Any], name: str) -> Iterator[Mapping[str, Any]]:
+    """The objects in the list `raw[name]`, skipping anything else; none if it is no list."""
+    entries = raw.get(name)
+    if isinstance(entries, list):
+        yield from (entry for entry in entries if isinstance(entry, Mapping))

@@ -12,7 +12,17 @@ from typing import Any, Literal, Protocol
 
 from ..errors import InvalidMessage
 from .error import ErrorReply, parse_error
-from .fields import MAX_COUNT, MAX_ENTRIES, VERSION, ident, optional_ident, required
+from .fields import (
+    MAX_COUNT,
+    MAX_ENTRIES,
+    VERSION,
+    ident,
+    int_or_zero,
+    number_or_none,
+    objects_in,
+    optional_ident,
+    required,
+)
 from .request import GrantReport, LeaseReport
 
 BlockedReason = Literal["limit_resolution_error", "not_permitted", "group_limit", "limit"]
@@ -281,30 +291,14 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
 # A field missing or of the wrong kind reads as nothing here, never as an error.
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _entries(raw: Mapping[str, Any], name: str) -> Iterator[Mapping[str, Any]]:
-    entries = raw.get(name)
-    if isinstance(entries, list):
-        yield from (entry for entry in entries if isinstance(entry, Mapping))
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def round_at_of(raw: Mapping[str, Any]) -> float | None:
     """The round's timestamp a reply carries (None: an error reply)."""
-    return _number(raw.get("round_at"))
+    return number_or_none(raw.get("round_at"))
 
 
 def next_request_at_of(raw: Mapping[str, Any]) -> float | None:
     """When a reply tells its client to ask next."""
-    return _number(raw.get("next_request_at"))
+    return number_or_none(raw.get("next_request_at"))
 
 
 def ask_no_sooner(raw: dict[str, Any], at: float) -> None:
@@ -317,25 +311,25 @@ def ask_no_sooner(raw: dict[str, Any], at: float) -> None:
 
 def claim_deadlines_of(raw: Mapping[str, Any]) -> Iterator[float]:
     """The claim deadline of each active grant of a reply with permits left unclaimed."""
-    for grant in _entries(raw, "grants"):
-        deadline = _number(grant.get("claim_deadline"))
+    for grant in objects_in(raw, "grants"):
+        deadline = number_or_none(grant.get("claim_deadline"))
         if (grant.get("status") == "active" and deadline is not None
-                and _int(grant.get("claimed")) < _int(grant.get("permits"))):
+                and int_or_zero(grant.get("claimed")) < int_or_zero(grant.get("permits"))):
             yield deadline
 
 
 def unacknowledged_expiries(raw: Mapping[str, Any]) -> Iterator[float]:
     """The expiry of each lease of a reply its client has not acknowledged (the holder
     drops it then, see LeaseView.acknowledged)."""
-    for lease in _entries(raw, "leases"):
-        expires_at = _number(lease.get("expires_at"))
+    for lease in objects_in(raw, "leases"):
+        expires_at = number_or_none(lease.get("expires_at"))
         if lease.get("acknowledged") is False and expires_at is not None:
             yield expires_at
 
 
 def blocked_groups(raw: Mapping[str, Any]) -> frozenset[str | None]:
     """The groups whose demand a reply says was left blocked."""
-    return frozenset(entry.get("group") for entry in _entries(raw, "blocked"))
+    return frozenset(entry.get("group") for entry in objects_in(raw, "blocked"))
 
 
 def is_over_limit(raw: Mapping[str, Any]) -> bool:

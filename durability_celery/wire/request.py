@@ -16,6 +16,8 @@ from .fields import (
     MAX_KEY_LENGTH,
     VERSION,
     ident,
+    int_or_zero,
+    objects_in,
     optional_ident,
     required,
 )
@@ -280,23 +282,15 @@ def released_marks(raw: Mapping[str, Any]) -> Iterator[tuple[str, int, bool]]:
     """(grant or lease id, released mark, stopped) of each report of a raw request that
     names its id; a released mark that is not an integer reads as 0."""
     for field, id_name in (("grants", "grant_id"), ("leases", "lease_id")):
-        reports = raw.get(field)
-        if not isinstance(reports, list):
-            continue
-        for report in reports:
-            if not isinstance(report, dict) or not isinstance(report.get(id_name), str):
-                continue
-            value = report.get("released")
-            released = value if isinstance(value, int) and not isinstance(value, bool) else 0
-            yield report[id_name], released, report.get("stopped") is True
+        for report in objects_in(raw, field):
+            if isinstance(report.get(id_name), str):
+                yield (report[id_name], int_or_zero(report.get("released")),
+                       report.get("stopped") is True)
 
 
 def asked_groups(raw: Mapping[str, Any]) -> frozenset[str | None]:
     """The groups a raw request's demand entries name."""
-    demand = raw.get("demand")
-    if not isinstance(demand, list):
-        return frozenset()
-    return frozenset(entry.get("group") for entry in demand if isinstance(entry, dict))
+    return frozenset(entry.get("group") for entry in objects_in(raw, "demand"))
 
 
 def address_of(raw: Mapping[str, Any]) -> tuple[str, str] | None:
