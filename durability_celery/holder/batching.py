@@ -46,6 +46,10 @@ def given_back(body: dict[str, Any]) -> dict[str, int]:
     return {ident: released + stopped for ident, released, stopped in released_marks(body)}
 
 
+def _alarm_due(slot: _Slot, now: float) -> bool:
+    return slot.alarm_at is not None and slot.alarm_at <= now
+
+
 def _told_at(last_round_at: float, round_wait: float, round_period: float) -> float:
     """The moment a round's replies told its clients to make, gathering moment included."""
     return last_round_at + round_period + gathering_moment(round_wait)
@@ -247,11 +251,13 @@ class Batcher:
 
     def _has_job(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
         """Whether `_job` would start one for this slot now (without starting it)."""
-        return ((bool(slot.waiting) and self._round_at(key_id, slot) <= now)
-                or (slot.alarm_at is not None and slot.alarm_at <= now))
+        return self._round_due(key_id, slot, now) or _alarm_due(slot, now)
+
+    def _round_due(self, key_id: KeyId, slot: _Slot, now: float) -> bool:
+        return bool(slot.waiting) and self._round_at(key_id, slot) <= now
 
     def _job(self, key_id: KeyId, slot: _Slot, now: float) -> Job | None:
-        if slot.waiting and self._round_at(key_id, slot) <= now:
+        if self._round_due(key_id, slot, now):
             batch = slot.waiting[: self._max_batch]
             del slot.waiting[: self._max_batch]
             self._waiting -= len(batch)
@@ -262,7 +268,7 @@ class Batcher:
             for request in slot.waiting:  # past max_batch: they wait for the next round
                 self._classify(slot, request)
             return Round(key_id, tuple(batch))
-        if slot.alarm_at is not None and slot.alarm_at <= now:
+        if _alarm_due(slot, now):
             slot.busy = True
             slot.alarm_at = None
             return Reclaim(key_id)
