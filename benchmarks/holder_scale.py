@@ -61,6 +61,7 @@ sys.path[:0] = [str(ROOT), str(APP_DIR)]
 holder_app = importlib.import_module("holder_app")
 
 from benchmarks import holder_report as report  # noqa: E402
+from benchmarks.bench_rounds import commit_floor, plain_url  # noqa: E402
 from benchmarks.cluster import stop_process  # noqa: E402
 from benchmarks.holder_sim import CLIENTS, CLIENTS_PER_KEY, DEMAND, Simulators, Tally  # noqa: E402
 from durability_celery.settings import DurabilitySettings  # noqa: E402
@@ -194,32 +195,13 @@ def _warm_keys(semaphore: str, ranges: list[tuple[int, int]], shards: int) -> li
     return keys
 
 
-def commit_floor(admin_url: str, database: str, seconds: float = 3.0) -> float:
-    """Single-row commits per second on one connection to `database`: an UPDATE of one
-    row and its COMMIT, back to back. A design of one transaction per key-round cannot
-    beat it; batching many keys into one commit can."""
-    url = admin_url.rsplit("/", 1)[0] + "/" + database
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE commit_floor (id int PRIMARY KEY, n bigint NOT NULL)")
-        conn.execute("INSERT INTO commit_floor VALUES (1, 0)")
-        done, until = 0, time.monotonic() + seconds
-        started = time.perf_counter()
-        while time.monotonic() < until:
-            conn.execute("UPDATE commit_floor SET n = n + 1 WHERE id = 1")
-            done += 1
-        rate = done / (time.perf_counter() - started)
-        conn.execute("DROP TABLE commit_floor")
-    return rate
-
-
 def _fresh_tables(database_url: str) -> None:
     """Empty the store's tables: each column starts as a new deployment. The unclaimed
     grants of the previous column's last replies would otherwise hold its keys' budgets
     until grant_timeout, and its clients' rows would stay."""
     tables = ", ".join(t.name for t in (schema.grants, schema.leases, schema.clients,
                                          schema.keys))
-    with psycopg.connect(database_url.replace("postgresql+psycopg://", "postgresql://"),
-                         autocommit=True) as conn:
+    with psycopg.connect(plain_url(database_url), autocommit=True) as conn:
         conn.execute(f"TRUNCATE {tables}")
 
 
@@ -343,7 +325,7 @@ def main() -> int:
     try:
         next(iter(durability.semaphores.values())).migrate()  # one database for all of them
         stats = PgStats(admin, name)
-        floor = commit_floor(args.pg_admin, name)
+        floor = commit_floor(database)
         print(f"single-row commit floor: {floor:.0f} commits/s", flush=True)
         for phase in args.phases:
             for holders in args.holders:
