@@ -128,14 +128,16 @@ class GrantCopy:
         A claim counts only if a report of it reaches the holder before the claim
         deadline; one that did not (lost messages) left its item running on a
         permit the holder reclaimed. Those items are reported as a lease the
-        holder never issued, which it keeps charged until they are released.
+        holder never issued, which it keeps charged until they are released, to the
+        grant's group: the holder no longer knows the grant, so the report says it.
         Releases go to the counted claims first, so the total stays exact.
         """
         late = self.claimed - self.permits
         if late <= 0 or self.state == "late_settled":
             return None
         released = max(0, self.released - self.permits)
-        return LeaseReport(LATE_PREFIX + self.grant_id, late, released, stopped=True)
+        return LeaseReport(LATE_PREFIX + self.grant_id, late, released, stopped=True,
+                           group=self.group)
 
     def unreported(self) -> bool:
         late = self.late_report()

@@ -47,10 +47,12 @@ class KeyLedger:
     # -- sending -------------------------------------------------------------
 
     def reports(self) -> tuple[tuple[GrantReport, ...], tuple[LeaseReport, ...]]:
-        """Every grant and lease, cumulative: a report is idempotent and a heartbeat."""
+        """Every grant and lease, cumulative: a report is idempotent and a heartbeat.
+        A lease's report names its group, which the holder reads only if it no longer
+        knows the lease (it dropped it unacknowledged) and adopts it from the report."""
         grants = tuple(GrantReport(g.grant_id, g.claimed, g.released) for g in self.grants.values())
         leases = tuple(
-            LeaseReport(le.lease_id, le.drawn, le.released, le.stopped)
+            LeaseReport(le.lease_id, le.drawn, le.released, le.stopped, le.group)
             for le in self.leases.values()
         )
         late = tuple(r for g in self.grants.values() if (r := g.late_report()) is not None)

@@ -56,12 +56,15 @@ class Ledger:
         """A lease this holder never knew (dropped unacknowledged while its client drew,
         or a client's record of claims that reached us too late to count) is charged
         from now on, as a retired lease whose final draws the client confirmed, until
-        everything drawn is released. Only a report in a later round acknowledges it:
-        a stale copy of an old report, arriving after the lease settled, would make
-        one its client no longer knows, and that one is dropped like any other."""
+        everything drawn is released. It is charged to the group its report names, so
+        it counts against that group's ceiling as well as the key's limit. Only a
+        report in a later round acknowledges it: a stale copy of an old report,
+        arriving after the lease settled, would make one its client no longer knows,
+        and that one is dropped like any other."""
         if report.drawn > report.released:
             self.leases[report.lease_id] = Lease(
-                report.lease_id, client_id, None, report.drawn, report.drawn, report.released,
+                report.lease_id, client_id, report.group, report.drawn, report.drawn,
+                report.released,
                 issued_at=now, last_report_at=now, status="retired", confirmed=True,
                 acknowledged=False,
             )

@@ -78,6 +78,10 @@ class LeaseReport:
     drawn: int
     released: int
     stopped: bool = False
+    group: str | None = None
+    """The lease's group, as its client knows it (optional, beyond the spec). The holder
+    reads it only when it adopts a lease it does not know (a late claim's, or one it
+    dropped unacknowledged): its own record of a lease it knows wins."""
 
 
 @dataclass(frozen=True)
@@ -103,16 +107,20 @@ class Request:
                 {"grant_id": g.grant_id, "claimed": g.claimed, "released": g.released}
                 for g in self.grants
             ],
-            "leases": [
-                {"lease_id": lr.lease_id, "drawn": lr.drawn, "released": lr.released,
-                 "stopped": lr.stopped}
-                for lr in self.leases
-            ],
+            "leases": [_lease_wire(lr) for lr in self.leases],
             "supports_leases": self.supports_leases,
         }
         if self.type == "request":
             message["demand"] = [_demand_wire(d) for d in self.demand]
         return message
+
+
+def _lease_wire(report: LeaseReport) -> dict[str, Any]:
+    wire: dict[str, Any] = {"lease_id": report.lease_id, "drawn": report.drawn,
+                            "released": report.released, "stopped": report.stopped}
+    if report.group is not None:
+        wire["group"] = report.group
+    return wire
 
 
 def _demand_wire(entry: DemandEntry) -> dict[str, Any]:
@@ -221,7 +229,8 @@ def _lease_reports(message: Mapping[str, Any]) -> tuple[LeaseReport, ...]:
         stopped = raw.get("stopped", False)
         if not isinstance(stopped, bool):
             raise InvalidMessage(f"{where}stopped", "must be a boolean")
-        reports.append(LeaseReport(lease_id, drawn, released, stopped))
+        group = optional_ident(raw.get("group"), f"{where}group")
+        reports.append(LeaseReport(lease_id, drawn, released, stopped, group))
     return tuple(reports)
 
 

@@ -84,11 +84,12 @@ def test_an_open_grant_copy_has_no_late_lease_to_settle() -> None:
 
 
 def test_late_claims_are_reported_until_the_late_lease_is_settled() -> None:
-    copy = _grant("open")
+    copy = GrantCopy("g1", "wf", permits=3, claim_deadline=100.0, claimed=1)
     copy.claim(2)
     copy.reclaim(1)  # the holder counted one of our three claims
     late = copy.late_report()
     assert late is not None and (late.drawn, late.released, late.stopped) == (2, 0, True)
+    assert late.group == "wf"  # the holder no longer knows the grant's group: the report says it
     copy.released = 3
     copy.settle_late()
     assert copy.late_settled and copy.late_report() is None

@@ -391,6 +391,30 @@ def test_claims_that_reached_the_holder_too_late_are_reported_as_a_late_lease() 
     assert client.settled()
 
 
+def test_every_lease_report_names_its_group_a_late_one_its_grants() -> None:
+    # The holder no longer knows a reclaimed grant (nor a lease it dropped
+    # unacknowledged): the report's group is what charges the adopted lease to the
+    # group's ceiling. A lease of the default group names none.
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, "wf", "t0", enqueued_at=0.0)
+    client.enqueue(KEY, "wf", "t1", enqueued_at=1.0)
+    client.enqueue(KEY, None, "t2", enqueued_at=2.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", group="wf", permits=1, claim_deadline=clock.now + 10)], leases=[
+        lease("l1", group="wf", permits=1, expires_at=clock.now + 1800),
+        lease("l2", permits=1, expires_at=clock.now + 1800)]))
+    assert len(client.admit()) == 3
+    client.on_failure(KEY)  # the message that reported the claim was lost
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[grant("g1", status="not_found")],
+                                  leases=[lease("l1", group="wf", permits=1, drawn=1),
+                                          lease("l2", permits=1, drawn=1)]))
+    reports = {le["lease_id"]: le.get("group") for le in client.message(KEY)["leases"]}
+    assert reports == {"late:g1": "wf", "l1": "wf", "l2": None}
+
+
 def test_late_claims_the_holder_adopted_are_reported_again_before_it_drops_them() -> None:
     # An adopted lease counts past the grant timeout only if its client reports it in
     # a later round (a stale duplicate would otherwise keep one counted for good).

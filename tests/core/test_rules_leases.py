@@ -186,6 +186,39 @@ def test_report_for_unknown_lease_is_retired_and_charged_until_settled(
     assert idle["leases"][0]["status"] == "settled"
 
 
+def test_a_late_claims_lease_counts_against_its_groups_ceiling(make_semaphore: Any) -> None:
+    # A grant of g1 (ceiling 1) is reclaimed before its claim was heard; its client
+    # reports the claim as a late lease naming the grant's group. Charged to g1, it
+    # holds g1's one slot until released, as the claim it stands for would have.
+    sem = make_semaphore(Limits(4, groups={"g1": 1}), grant_timeout=5.0)
+    (first,) = sem.run_round(KEY, [request("a", [("g1", 1, 1.0)])], now=T0)
+    gid = first["grants"][0]["grant_id"]
+    assert sem.reclaim(KEY, now=T0 + 5) is None
+    (other,) = sem.run_round(KEY, [request("b", [("g1", 1, 2.0)])], now=T0 + 6)
+    assert granted(other) == 1  # the reclaimed permit went to b
+
+    def late_report(released: int) -> dict[str, Any]:
+        message = sync("a", grants=[(gid, 1, 0)], leases=[("late:" + gid, 1, released, True)])
+        message["leases"][0]["group"] = "g1"
+        return message
+
+    (late,) = sem.run_round(KEY, [late_report(0)], now=T0 + 7)
+    assert [(le["status"], le["group"]) for le in late["leases"]] == [("retired", "g1")]
+    assert late["over_limit"]  # g1 runs two tasks under a ceiling of 1: the holder says so
+    (g1,) = sem.usage(KEY, now=T0 + 7).groups
+    assert (g1.group, g1.outstanding, g1.lease_footprint) == ("g1", 1, 1)
+    # b's task ends; the late one still runs, so g1 has no room for c.
+    gid_b = other["grants"][0]["grant_id"]
+    _, c = sem.run_round(KEY, [sync("b", grants=[(gid_b, 1, 1)]),
+                               request("c", [("g1", 1, 3.0)])], now=T0 + 8)
+    assert granted(c) == 0 and blocked(c) == {"g1": ("group_limit", 1)}
+    # The late task ends: its lease settles and g1's slot is free again.
+    (done,) = sem.run_round(KEY, [late_report(1)], now=T0 + 9)
+    assert [le["status"] for le in done["leases"]] == ["settled"]
+    (again,) = sem.run_round(KEY, [request("c", [("g1", 1, 3.0)])], now=T0 + 10)
+    assert granted(again) == 1
+
+
 def test_a_lease_its_client_never_reports_is_dropped_at_the_grant_timeout(
     make_semaphore: Any,
 ) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from core_harness import KEY, Limits, granted, request, sync
+from core_harness import KEY, SEM, Limits, granted, request, sync
 
 from durability_celery.core.config import Leases, Over, RoundConfig, Strict, Under
 from durability_celery.core.round import KeyState, parse_messages, run_round
 from durability_celery.errors import ConfigurationError
+from durability_celery.wire.request import parse_request
 
 T0 = 1_000.0
 
@@ -66,6 +67,14 @@ BAD = [
     ("lease-stopped-not-bool",
      with_(leases=[{"lease_id": "l", "drawn": 1, "released": 0, "stopped": "yes"}]),
      "leases[0].stopped"),
+    ("lease-group-not-string",
+     with_(leases=[{"lease_id": "l", "drawn": 1, "released": 0, "group": 7}]), "leases[0].group"),
+    ("lease-group-empty",
+     with_(leases=[{"lease_id": "l", "drawn": 1, "released": 0, "group": ""}]),
+     "leases[0].group"),
+    ("lease-group-too-long",
+     with_(leases=[{"lease_id": "l", "drawn": 1, "released": 0, "group": "g" * 201}]),
+     "leases[0].group"),
     ("sync-with-demand", sync("a") | {"demand": [{"group": None, "count": 1, "oldest_at": 1}]},
      "demand"),
 ]
@@ -82,6 +91,16 @@ def test_bad_message_gets_an_error_naming_the_field(
     assert bad["error"]["message"].startswith(field)
     assert granted(fine) == 3
     assert sem.usage(KEY, now=T0).outstanding == 3
+
+
+def test_a_lease_reports_group_is_optional_and_survives_the_wire() -> None:
+    reports = [{"lease_id": "a", "drawn": 1, "released": 0, "group": "g1"},
+               {"lease_id": "b", "drawn": 1, "released": 0, "group": None},
+               {"lease_id": "c", "drawn": 1, "released": 0}]
+    parsed = parse_request(with_(leases=reports), semaphore=SEM, key=KEY)
+    assert [lr.group for lr in parsed.leases] == ["g1", None, None]
+    again = parse_request(parsed.to_wire(semaphore=SEM, key=KEY), semaphore=SEM, key=KEY)
+    assert again == parsed
 
 
 def test_another_clients_ids_are_rejected_and_change_nothing(make_semaphore: Any) -> None:
