@@ -29,7 +29,7 @@ from sqlalchemy.engine import Connection
 from ..errors import ConfigurationError
 from ..wire.fields import MAX_ID_LENGTH
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version `migrate(engine)` brings a database to."""
 
 MigrateOutcome = Literal["created", "upgraded", "current", "removed", "absent"]
@@ -81,6 +81,12 @@ leases = Table(
     Index("ix_durability_semaphore_leases_client", "client_id"),
 )
 
+# Keys with a deadline, for the holder's timer and beat. Partial, so it cannot serve a
+# lookup by (semaphore, key): on a table not yet analyzed PostgreSQL took the whole
+# index, matched on the semaphore alone, for each key a round locks, and a batch's
+# lock cost grew with every key of the semaphore.
+_DEADLINE_WHERE = text("next_claim_deadline IS NOT NULL")
+
 # One row per (semaphore, key): the row a round locks, plus what the holder's
 # timer and beat need without reading every grant.
 keys = Table(
@@ -94,7 +100,8 @@ keys = Table(
     Column("next_claim_deadline", Double, nullable=True),
     Column("blocked", Text, nullable=False, default="[]"),
     Column("updated_at", Double, nullable=True),
-    Index("ix_durability_semaphore_keys_deadline", "semaphore", "next_claim_deadline"),
+    Index("ix_durability_semaphore_keys_deadline", "semaphore", "next_claim_deadline",
+          postgresql_where=_DEADLINE_WHERE, sqlite_where=_DEADLINE_WHERE),
 )
 
 # Clients holding grants or leases of a key, and when each was last heard
@@ -117,11 +124,15 @@ schema_version = Table(
 )
 
 # Upgrade steps: UPGRADES[n] takes a database from version n to n + 1.
-UPGRADES: dict[int, str] = {
+UPGRADES: dict[int, tuple[str, ...]] = {
     # 2: leases record whether their client has reported them since issue; leases of
     # version 1 count as acknowledged, as that version treated every lease.
-    1: "ALTER TABLE durability_semaphore_leases"
-       " ADD COLUMN acknowledged BOOLEAN NOT NULL DEFAULT TRUE",
+    1: ("ALTER TABLE durability_semaphore_leases"
+        " ADD COLUMN acknowledged BOOLEAN NOT NULL DEFAULT TRUE",),
+    # 3: the deadline index holds only keys with a deadline (see _DEADLINE_WHERE).
+    2: ("DROP INDEX ix_durability_semaphore_keys_deadline",
+        "CREATE INDEX ix_durability_semaphore_keys_deadline ON durability_semaphore_keys"
+        " (semaphore, next_claim_deadline) WHERE next_claim_deadline IS NOT NULL"),
 }
 
 
@@ -147,7 +158,8 @@ def _upgrade(conn: Connection, found: int | None) -> MigrateOutcome:
     metadata.create_all(conn, checkfirst=True)
     version = SCHEMA_VERSION if found is None else found
     while version < SCHEMA_VERSION:
-        conn.execute(text(UPGRADES[version]))
+        for statement in UPGRADES[version]:
+            conn.execute(text(statement))
         version += 1
     if found is None:
         conn.execute(insert(schema_version).values(id=1, version=SCHEMA_VERSION))

@@ -71,7 +71,7 @@ def tables(url: str) -> set[str]:
 def test_migrate_and_drop(cli: Any, database_url: str) -> None:
     done = cli("migrate", "--database", database_url)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("schema version 2 created in "), done.stdout
+    assert done.stdout.startswith("schema version 3 created in "), done.stdout
     assert "up to date" not in done.stdout
     assert {"durability_semaphore_grants", "durability_semaphore_leases"} <= tables(database_url)
     done = cli("migrate", "--database", database_url)  # idempotent, and says so

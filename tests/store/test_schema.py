@@ -88,8 +88,39 @@ def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: st
         with engine.begin() as conn:
             version = conn.execute(sa.select(store.schema.schema_version.c.version)).scalar()
             (lease,) = store.load(conn, "s", "k").leases
-        assert version == store.SCHEMA_VERSION == 2
+        assert version == store.SCHEMA_VERSION
         assert (lease.lease_id, lease.drawn, lease.acknowledged) == ("l-1", 1, True)
+    finally:
+        store.migrate(engine, None)
+        engine.dispose()
+
+
+def test_version_2_is_upgraded_to_a_partial_deadline_index(database_url: str) -> None:
+    # Version 2 indexed every key's deadline, null or not; version 3 only keys with
+    # one, which the timer's deadline queries still use (they ask for non-null ones).
+    engine = store.create_engine(database_url)
+    name = "ix_durability_semaphore_keys_deadline"
+    try:
+        store.migrate(engine, None)
+        store.migrate(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP INDEX {name}"))
+            conn.execute(sa.text(f"CREATE INDEX {name} ON durability_semaphore_keys"
+                                 " (semaphore, next_claim_deadline)"))
+            conn.execute(sa.update(store.schema.schema_version).values(version=2))
+            conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=1,
+                                                      blocked="[]", next_claim_deadline=5.0))
+        assert store.migrate(engine) == "upgraded"
+        with engine.begin() as conn:
+            version = conn.execute(sa.select(store.schema.schema_version.c.version)).scalar()
+            found = store.deadlines(conn, "s")
+        (index,) = [i for i in sa.inspect(engine).get_indexes("durability_semaphore_keys")
+                    if i["name"] == name]
+        where = index.get("dialect_options", {})
+        assert version == store.SCHEMA_VERSION
+        assert "next_claim_deadline IS NOT NULL" in str(
+            where.get("postgresql_where") or where.get("sqlite_where")), index
+        assert found == [("k", 5.0)]
     finally:
         store.migrate(engine, None)
         engine.dispose()
@@ -109,7 +140,8 @@ def test_a_holder_refuses_a_database_of_an_older_schema(database_url: str) -> No
         assert store.check_version(engine) == store.SCHEMA_VERSION
         with engine.begin() as conn:
             conn.execute(sa.update(store.schema.schema_version).values(version=1))
-        with pytest.raises(ConfigurationError, match="older than this library's 2; run"):
+        older = f"older than this library's {store.SCHEMA_VERSION}; run"
+        with pytest.raises(ConfigurationError, match=older):
             store.check_version(engine)
         holder = Holder(Durability(Celery("schema-check", broker="memory://"), [sem]))
         with pytest.raises(ConfigurationError, match="durability-celery migrate"):
