@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support import reset_postgres
 
 from durability_celery import store
 from durability_celery.core.keystate import ClientSeen
@@ -290,20 +291,23 @@ def test_a_batch_that_names_a_key_twice_writes_both_in_order(engine: sa.Engine) 
 
 
 def test_a_batch_locks_its_key_rows_through_the_primary_key_on_a_fresh_table(
-        engine: sa.Engine) -> None:
+        postgres_url: str) -> None:
     # A table never analyzed plans with default estimates: the deadline index, matched
     # on the semaphore alone, once read every key of the semaphore for each key a batch
     # locked (schema version 3 makes it partial, so it cannot serve that lookup).
-    if engine.dialect.name != "postgresql":
-        pytest.skip("a PostgreSQL planner question")
-    keys = [f"k{n:03}" for n in range(200)]
-    with store.transaction(engine, write=True) as conn:
-        store.load_many(conn, "accounts", keys)  # inserts the rows, not analyzed
-    lock = store.sql._LOCK_KEYS[True]
-    compiled = lock.compile(dialect=engine.dialect)
-    with engine.connect() as conn:
-        plan = "\n".join(row[0] for row in conn.exec_driver_sql(
-            f"EXPLAIN {compiled}",
-            {**compiled.params, "b_semaphore": "accounts", "b_keys": keys}))
+    reset_postgres(postgres_url)
+    engine = store.create_engine(postgres_url)
+    try:
+        store.migrate(engine)
+        keys = [f"k{n:03}" for n in range(200)]
+        with store.transaction(engine, write=True) as conn:
+            store.load_many(conn, "accounts", keys)  # inserts the rows, not analyzed
+        compiled = store.sql._LOCK_KEYS[True].compile(dialect=engine.dialect)
+        with engine.connect() as conn:
+            plan = "\n".join(row[0] for row in conn.exec_driver_sql(
+                f"EXPLAIN {compiled}",
+                {**compiled.params, "b_semaphore": "accounts", "b_keys": keys}))
+    finally:
+        engine.dispose()
     assert "durability_semaphore_keys_pkey" in plan, plan
     assert "keys_deadline" not in plan, plan
