@@ -2,7 +2,8 @@
 # schedule: a report waits for the holder's next_request_at unless others wait
 # on it; a claim must be heard before its claim deadline, a draw on an
 # unacknowledged lease before the holder drops it, a heartbeat at half a
-# lease's life; released capacity and stopped leases go at once.
+# lease's life; released capacity and stopped leases, and the releases of a
+# stopped lease, go at once.
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -79,6 +80,10 @@ def _lease_times(le: LeaseCopy, times: list[float], margin: float, *,
                  backoff: float, gate: float, prompt: float) -> None:
     if le.stopped and not le.stop_acked:
         times.append(backoff)  # undrawn permits go back at once
+    elif le.stopped and le.released > le.acked_released:
+        # A stopped lease's drawn permits count at the holder until released, and it
+        # was stopped because others wait: like a grant's, its releases go at once.
+        times.append(backoff)
     elif le.unreported():
         times.append(prompt)
     elif le.stopped and le.in_use == 0:

@@ -323,6 +323,23 @@ def test_retired_lease_stops_drawing_and_is_reported_stopped_until_settled() -> 
     assert lease_reports(client.message(KEY)) == {}
 
 
+def test_a_release_on_a_retired_lease_is_reported_at_once() -> None:
+    # Its drawn permit counts at the holder until then, and the holder retired the lease
+    # because others wait: the release is capacity only the holder can give on.
+    clock = FakeClock()
+    client = _client_with_lease(clock, permits=4)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, expires_at=clock.now + 100, status="retired")]))
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 0, True)}
+    client.on_response(KEY, reply(clock.now, leases=[
+        lease("l1", permits=4, drawn=1, expires_at=clock.now + 100, status="retired")]))
+    assert client.due() == [], "nothing new: the next report waits for next_request_at"
+    client.release("t0")
+    assert client.due() == [KEY], "well before next_request_at"
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 1, True)}
+
+
 def test_a_stopped_idle_lease_is_asked_about_again_until_settled() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock)
