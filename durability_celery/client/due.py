@@ -78,11 +78,9 @@ def _grant_times(g: GrantCopy, times: list[float], now: float, margin: float, *,
 
 def _lease_times(le: LeaseCopy, times: list[float], margin: float, *,
                  backoff: float, gate: float, prompt: float) -> None:
-    if le.stopped and not le.stop_acked:
-        times.append(backoff)  # undrawn permits go back at once
-    elif le.stopped and le.released > le.acked_released:
-        # A stopped lease's drawn permits count at the holder until released, and it
-        # was stopped because others wait: like a grant's, its releases go at once.
+    if le.stopped and (not le.stop_acked or le.released > le.acked_released):
+        # A stopped lease draws no more: its undrawn permits, and each drawn one as it
+        # is released, are capacity only the holder can give on, as a grant's are.
         times.append(backoff)
     elif le.unreported():
         times.append(prompt)
