@@ -200,6 +200,12 @@ class SemaphoreClient:
         crowded, self._room.crowded_out = self._room.crowded_out, {}
         return {key: self._queue.youngest(key, count) for key, count in crowded.items()}
 
+    def room(self, key: str) -> int | None:
+        """How many more items of `key` the pool can start soon (Room.of): its free slots
+        and the slots of running items of other keys that give way to it. None: no bound
+        (the pool's size is not known, or handoff is off)."""
+        return self._room.of(key)
+
     def room_changed(self) -> None:
         """Pool slots came free, or running items changed: keys with queued items may ask
         again (see Room.of)."""

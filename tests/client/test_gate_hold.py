@@ -3,8 +3,9 @@
 # worker leaves work to others; up to all of max_held while a pool slot is free
 # that no held task can take, also for messages held before the slot freed, so
 # that the broker keeps sending (tasks whose keys have a permit at hand are not
-# stuck behind held ones). Every raise is lowered once, whichever way its message
-# leaves the hold. Pure: fake hooks and requests.
+# stuck behind held ones); and once the pool fills again, what was raised beyond the
+# busy share and has no room goes back to the broker. Every raise is lowered once,
+# whichever way its message leaves the hold. Pure: fake hooks and requests.
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -95,6 +96,43 @@ def test_held_tasks_that_start_lower_prefetch_once_each() -> None:
         gate.pump(collect=False)
     assert loop.started == [r.id for r in requests]
     assert gate.state.held == {} and loop.qos == gate.state.raised == 0
+
+
+def test_a_pool_that_fills_gives_back_what_it_raised_for_beyond_a_busy_pools_share() -> None:
+    # Taken while a slot was free; once every slot is taken a worker with a free slot
+    # should run them: the youngest go back first in line, each lowering its raise.
+    gate, loop, clock = gate_without_permits(busy=0, max_held=8 * POOL)
+    requests = hold(gate, 10)
+    assert loop.qos == gate.state.raised == 10
+    loop.busy = POOL
+    clock.advance(0.1)
+    gate.pump()
+    assert gate.state.raised == 10, "a slot may free as soon"
+    clock.advance(0.1)
+    gate.pump()
+    assert loop.qos == gate.state.raised == POOL
+    assert [r.rejected for r in requests] == [[]] * POOL + [[True]] * (10 - POOL)
+    gate.pump()
+    assert len(gate.state.held) == POOL, "the busy pool's share stays"
+
+
+def test_a_full_pool_keeps_the_messages_its_running_tasks_pass_permits_to() -> None:
+    gate, loop, clock = gate_without_permits(busy=0, max_held=8 * POOL)
+    running = FakeRequest()
+    gate.submit(running)
+    (message,) = gate.pump()
+    answer = reply(clock.now, grants=[grant("G1", permits=1, claim_deadline=clock.now + 10)])
+    assert gate.on_reply(message.correlation_id, answer)
+    gate.pump(collect=False)
+    assert loop.started == [running.id]
+    successors = [FakeRequest() for _ in range(2 * POOL)]
+    for request in successors:
+        gate.submit(request)
+    loop.busy = POOL - 1
+    clock.advance(1.0)
+    gate.pump()
+    assert [r.rejected for r in successors] == [[]] * (2 * POOL)
+    assert loop.qos == gate.state.raised == 2 * POOL
 
 
 def test_held_and_refused_hand_backs_are_returned_when_the_consumer_stops() -> None:

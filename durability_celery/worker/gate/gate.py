@@ -187,6 +187,7 @@ class Gate(Hold, HolderTalk):
             self._raise_for_idle_pool()
             self._return_unused()
             self._hand_back_crowded_out()
+            self._shed_excess(now)
             if self.state.held:  # slots came free, or soon-free ones changed hands
                 for client in self.clients.values():
                     client.room_changed()

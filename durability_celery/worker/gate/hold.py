@@ -1,6 +1,6 @@
 # The hold: how far held messages raise the worker's prefetch, and how they leave
-# the gate unrun (overdue, revoked, or with their consumer). Part of Gate (gate.py)
-# as a base class; every method runs with the gate's lock held.
+# the gate unrun (overdue, revoked, crowded out, or with their consumer). Part of
+# Gate (gate.py) as a base class; every method runs with the gate's lock held.
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,12 @@ from ...client import SemaphoreClient
 from .model import GateState, Held, Hooks
 
 logger = logging.getLogger("durability_celery.worker")
+
+
+SHED_AFTER = 0.2
+"""Seconds a full pool keeps a message it raised prefetch for before it may go back (see
+Hold._shed_excess): a slot here may free that soon, and while messages flow a worker
+that sheds them only fetches them again."""
 
 
 class Hold:
@@ -35,7 +41,9 @@ class Hold:
         broker for a worker with a free slot; up to all of max_held while a pool slot is
         free that no held task can take. Without the second half, messages of keys
         waiting for a round would fill the prefetch window while the pool idled, and
-        tasks whose keys had a permit at hand would wait in the broker behind them."""
+        tasks whose keys had a permit at hand would wait in the broker behind them.
+        Once the pool fills again, what it holds past the busy share goes back
+        (_shed_excess)."""
         raised = self.state.raised
         if raised < self._busy_limit():
             return True
@@ -63,6 +71,37 @@ class Hold:
                 entry.raised_qos = True
                 state.raised += 1
                 self.hooks.qos_increment()
+
+    def _shed_excess(self, now: float) -> None:
+        """While every pool slot is taken, keep no more raised messages than _may_raise
+        allows a busy pool: those raised while a slot was free that the pool has no room
+        for now (no free slot, no running task that gives way to them, no task of their
+        key to pass a permit on) go back to the broker first in line, youngest first,
+        once held SHED_AFTER.
+        Each lowers the prefetch it raised, so the broker sends it to a worker with a
+        free slot rather than back here; kept, it waits for this pool's slots while that
+        worker idles."""
+        state = self.state
+        excess = state.raised - self._busy_limit()
+        if excess <= 0 or self._free() > 0:
+            return
+        running: dict[str, set[str]] = {}
+        for item in reversed(list(state.held)):  # youngest first
+            entry = state.held[item]
+            if not entry.raised_qos or entry.held_since + SHED_AFTER > now:
+                continue
+            client = self.clients[entry.semaphore]
+            if entry.semaphore not in running:
+                running[entry.semaphore] = set(client.running())
+            if entry.key in running[entry.semaphore] or client.room(entry.key) != 0:
+                continue
+            self._unhold(item)
+            logger.debug("durability: handing task %s back to the broker: no room for it "
+                         "here while every slot is taken", entry.request.id)
+            self._hand_back(entry, now)
+            excess -= 1
+            if excess <= 0:
+                return
 
     def _hand_back_overdue(self, now: float) -> None:
         held = self.state.held
