@@ -77,10 +77,9 @@ class Hold:
         allows a busy pool: those raised while a slot was free that the pool has no room
         for now (no free slot, no running task that gives way to them, no task of their
         key to pass a permit on) go back to the broker first in line, youngest first,
-        once held SHED_AFTER.
-        Each lowers the prefetch it raised, so the broker sends it to a worker with a
-        free slot rather than back here; kept, it waits for this pool's slots while that
-        worker idles."""
+        once held SHED_AFTER. Each lowers the prefetch it raised, so the broker sends it
+        to a worker with a free slot rather than back here; kept, it waits for this
+        pool's slots while that worker idles."""
         state = self.state
         excess = state.raised - self._busy_limit()
         if excess <= 0 or self._free() > 0:
