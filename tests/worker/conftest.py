@@ -190,10 +190,14 @@ class Cluster:
     def inspect_held(self) -> dict[str, Any]:
         return self.inspect("durability_held")
 
-    def inspect(self, command: str) -> dict[str, Any]:
+    def inspect_task(self, task_id: str) -> dict[str, Any]:
+        """Each worker's answer to where it has `task_id` (`durability_task`)."""
+        return self.inspect("durability_task", task_id=task_id)
+
+    def inspect(self, command: str, **arguments: Any) -> dict[str, Any]:
         # Every worker answers (the holder too): stop waiting once all have.
-        replies = self.app.control.broadcast(command, reply=True, timeout=2.0,
-                                             limit=len(self.processes.procs))
+        replies = self.app.control.broadcast(command, arguments=arguments, reply=True,
+                                             timeout=2.0, limit=len(self.processes.procs))
         merged: dict[str, Any] = {}
         for reply in replies:
             merged.update(reply)

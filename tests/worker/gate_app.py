@@ -145,11 +145,13 @@ def define_tasks(app: Celery, config: dict[str, Any]) -> tuple[Any, Any]:
         return result
 
     @app.task(bind=True, name="gate.plain", shared=False)
-    def plain(self: Any, published_at: float) -> None:
-        """Not admitted: records how long it waited from publish to start."""
+    def plain(self: Any, published_at: float, work: float = 0.0) -> None:
+        """Not admitted: records how long it waited from publish to start, then takes its
+        pool slot for `work` seconds."""
         now = time.time()
         ledger.hset("plain_delay", self.request.id, now - published_at)
         ledger.hset("plain_started_at", self.request.id, now)
+        time.sleep(work)
 
     return admitted, plain
 

@@ -80,3 +80,59 @@ def test_a_grant_stranded_on_a_busy_worker_goes_to_a_worker_with_a_free_slot(
     cluster.wait_for("every task to end", lambda: {slow, stranded} <= set(cluster.ends()),
                      timeout=30, context=lambda: str(cluster.inspect_held()))
     assert cluster.max_running("hot") == 1
+
+
+def test_a_worker_whose_pool_fills_gives_back_what_it_raised_prefetch_for(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    # Worker A runs a long `x` task and holds an older `x` task that takes its slot
+    # next; it then holds three `w` tasks (w's one permit runs on worker B) while its
+    # other slot is free, raising prefetch for each. When a long plain task fills that
+    # slot, A has no room for `w` and keeps a busy pool's share of raised messages (one
+    # per slot): the youngest `w` tasks go back to the broker, where B, with a slot free,
+    # takes them long before w's permit frees (which is when a permit granted to A without
+    # room would send them, crowded out). A stops consuming the shared queue first, so the
+    # broker cannot hand them straight back to A.
+    cluster = cluster_factory(limits={"w": 1, "x": 1}, round_wait=ROUND_WAIT,
+                              round_period=6.0, grant_timeout=GRANT_TIMEOUT)
+    base = cluster.config["task_queue"]
+    shared, only_a, only_b = f"{base}.shared", f"{base}.a", f"{base}.b"
+    cluster.start(clients=1, concurrency=2, extra=("-Q", f"{shared},{only_a}"))
+    cluster.start(holder=False, clients=1, concurrency=2, extra=("-Q", only_b))
+
+    def publish(key: str, work: float, queue: str) -> str:
+        kwargs = {"account": key, "group": None, "work": work}
+        return str(cluster.admitted.apply_async(kwargs=kwargs, queue=queue).id)
+
+    def where(task: str, state: str) -> set[str]:
+        """The workers that report `task` in `state` ("held", "running")."""
+        return {node for node, found in cluster.inspect_task(task).items()
+                if found.get("state") == state}
+
+    long_w, long_x = publish("w", 12.0, only_b), publish("x", 12.0, only_a)
+    cluster.wait_for("the long tasks to start", lambda: {long_w, long_x} <= set(cluster.starts()),
+                     timeout=20)
+    (node_a,), (node_b,) = where(long_x, "running"), where(long_w, "running")
+    next_x = publish("x", 0.1, only_a)
+    held_w = [publish("w", 0.1, shared) for _ in range(3)]
+    cluster.wait_for("A to hold the x task and every w task",
+                     lambda: all(where(task, "held") == {node_a} for task in [next_x, *held_w]),
+                     timeout=20, context=lambda: str(cluster.inspect_held()))
+    control = cluster.app.control
+    control.cancel_consumer(shared, destination=[node_a], reply=True, timeout=5)
+    control.add_consumer(shared, destination=[node_b], reply=True, timeout=5)
+
+    filler = str(cluster.plain.apply_async(kwargs={"published_at": time.time(), "work": 12.0},
+                                           queue=only_a).id)
+    cluster.wait_for("A's pool to fill", lambda: bool(cluster.ledger.hget("plain_started_at",
+                                                                          filler)), timeout=20)
+    # Four raised, two kept: x's task (its key runs here) and the oldest w.
+    cluster.wait_for("the two youngest w tasks to move to B",
+                     lambda: all(where(task, "held") == {node_b} for task in held_w[1:]),
+                     timeout=6, context=lambda: str(cluster.inspect_held()))
+    assert long_w not in cluster.ends(), "they moved only once w's permit came back"
+    assert where(held_w[0], "held") == {node_a} and where(next_x, "held") == {node_a}
+    cluster.wait_for("every task to end", lambda: {long_w, long_x, next_x, *held_w}
+                     <= set(cluster.ends()), timeout=40,
+                     context=lambda: str(cluster.inspect_held()))
+    assert {cluster.starts()[task] for task in held_w} == {1}
+    assert cluster.max_running("w") == 1
