@@ -104,14 +104,23 @@ def test_a_worker_whose_pool_fills_gives_back_what_it_raised_prefetch_for(
         return str(cluster.admitted.apply_async(kwargs=kwargs, queue=queue).id)
 
     def where(task: str, state: str) -> set[str]:
-        """The workers that report `task` in `state` ("held", "running")."""
+        """The workers that report `task` in `state` ("held", "running"); a worker whose
+        answer is late under load is asked again by the wait_for around each call."""
         return {node for node, found in cluster.inspect_task(task).items()
                 if found.get("state") == state}
 
-    long_w, long_x = publish("w", 12.0, only_b), publish("x", 12.0, only_a)
-    cluster.wait_for("the long tasks to start", lambda: {long_w, long_x} <= set(cluster.starts()),
-                     timeout=20)
-    (node_a,), (node_b,) = where(long_x, "running"), where(long_w, "running")
+    long_w, long_x = publish("w", 20.0, only_b), publish("x", 20.0, only_a)
+    nodes: dict[str, str] = {}
+
+    def found_running() -> bool:
+        for task in {long_x, long_w} - set(nodes):
+            (*node,) = where(task, "running")
+            if node:
+                nodes[task] = node[0]
+        return len(nodes) == 2
+
+    cluster.wait_for("each worker to report its long task running", found_running, timeout=20)
+    node_a, node_b = nodes[long_x], nodes[long_w]
     next_x = publish("x", 0.1, only_a)
     held_w = [publish("w", 0.1, shared) for _ in range(3)]
     cluster.wait_for("A to hold the x task and every w task",
@@ -121,7 +130,7 @@ def test_a_worker_whose_pool_fills_gives_back_what_it_raised_prefetch_for(
     control.cancel_consumer(shared, destination=[node_a], reply=True, timeout=5)
     control.add_consumer(shared, destination=[node_b], reply=True, timeout=5)
 
-    filler = str(cluster.plain.apply_async(kwargs={"published_at": time.time(), "work": 12.0},
+    filler = str(cluster.plain.apply_async(kwargs={"published_at": time.time(), "work": 20.0},
                                            queue=only_a).id)
     cluster.wait_for("A's pool to fill", lambda: bool(cluster.ledger.hget("plain_started_at",
                                                                           filler)), timeout=20)
@@ -130,7 +139,9 @@ def test_a_worker_whose_pool_fills_gives_back_what_it_raised_prefetch_for(
                      lambda: all(where(task, "held") == {node_b} for task in held_w[1:]),
                      timeout=6, context=lambda: str(cluster.inspect_held()))
     assert long_w not in cluster.ends(), "they moved only once w's permit came back"
-    assert where(held_w[0], "held") == {node_a} and where(next_x, "held") == {node_a}
+    cluster.wait_for("A to report the oldest w task and the x task still held", lambda: (
+        where(held_w[0], "held") == {node_a} and where(next_x, "held") == {node_a}), timeout=6,
+        context=lambda: str(cluster.inspect_held()))
     cluster.wait_for("every task to end", lambda: {long_w, long_x, next_x, *held_w}
                      <= set(cluster.ends()), timeout=40,
                      context=lambda: str(cluster.inspect_held()))
