@@ -118,5 +118,7 @@ def test_an_overloaded_holder_answers_within_request_timeout(
     assert max(seconds for _, seconds in clients.latencies) < REQUEST_TIMEOUT + PERIOD
     assert all(time.monotonic() - sent < REQUEST_TIMEOUT + 1.0
                for _, sent in clients.in_flight.values())
-    assert max(clients.told) > 1.5 * PERIOD  # it stretched next_request_at
+    # It stretched next_request_at: unstretched, a reply tells exactly PERIOD; by how
+    # much depends on how far behind the machine let it fall.
+    assert max(clients.told) > 1.2 * PERIOD
     assert "overloaded" in holder.log()
