@@ -114,9 +114,9 @@ def test_a_worker_whose_pool_fills_gives_back_what_it_raised_prefetch_for(
 
     def found_running() -> bool:
         for task in {long_x, long_w} - set(nodes):
-            (*node,) = where(task, "running")
-            if node:
-                nodes[task] = node[0]
+            running = where(task, "running")
+            if len(running) == 1:
+                nodes[task] = running.pop()
         return len(nodes) == 2
 
     cluster.wait_for("each worker to report its long task running", found_running, timeout=20)
