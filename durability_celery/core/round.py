@@ -131,14 +131,22 @@ def reclaim(state: KeyState, *, config: RoundConfig, now: float) -> KeyState:
 
 
 def _with(state: KeyState, ledger: Ledger, config: RoundConfig, heard: set[str], now: float,
-          **changes: Any) -> KeyState:
+          *, last_round_at: float | None = None, rounds: int | None = None,
+          limit: int | None = None, blocked: tuple[Blocked, ...] | None = None) -> KeyState:
     """`state` with the ledger's grants and leases, their lease deadline, the clients
-    `heard` stamped (clients.seen) and `changes`, made at once."""
+    `heard` stamped (clients.seen) and the round's fields given, made at once."""
     grants, leases = tuple(ledger.grants.values()), tuple(ledger.leases.values())
     holding = {g.client_id for g in grants} | {le.client_id for le in leases}
-    return replace(state, grants=grants, leases=leases,
-                   lease_deadline=_lease_deadline(leases, config),
-                   clients=seen(state.clients, holding, heard, now), **changes)
+    # Built field by field, not with dataclasses.replace: it runs once per round.
+    return KeyState(
+        state.semaphore, state.key, grants, leases,
+        state.last_round_at if last_round_at is None else last_round_at,
+        state.rounds if rounds is None else rounds,
+        state.limit if limit is None else limit,
+        state.blocked if blocked is None else blocked,
+        seen(state.clients, holding, heard, now),
+        _lease_deadline(leases, config),
+    )
 
 
 def with_lease_deadline(state: KeyState, config: RoundConfig) -> KeyState:

@@ -71,11 +71,16 @@ class Grant:
         status = self._move("report")
         new_claimed = max(self.claimed, min(claimed, self.permits))
         new_released = max(self.released, min(released, new_claimed))
-        return replace(self, claimed=new_claimed, released=new_released, status=status)
+        # Built field by field, not with dataclasses.replace: every report of every
+        # round makes one, and replace walks the fields each time.
+        return Grant(self.grant_id, self.client_id, self.group, self.permits, new_claimed,
+                     new_released, self.created_at, self.claim_deadline, status)
 
     def reclaim(self) -> Grant:
         """Take back unclaimed permits after the claim deadline."""
-        return replace(self, permits=self.claimed, status=self._move("reclaim"))
+        return Grant(self.grant_id, self.client_id, self.group, self.claimed, self.claimed,
+                     self.released, self.created_at, self.claim_deadline,
+                     self._move("reclaim"))
 
 
 @dataclass(frozen=True)

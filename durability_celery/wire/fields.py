@@ -26,16 +26,18 @@ def required(obj: Mapping[str, Any], name: str, where: str) -> Any:
     return obj[name]
 
 
-def ident(value: Any, field: str) -> str:
-    """`value` if it is an id the store can save (a non-empty string, not too long)."""
+def ident(value: Any, field: str, name: str = "") -> str:
+    """`value` if it is an id the store can save (a non-empty string, not too long). The
+    field is named `field` + `name`, joined only for an error."""
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
-        raise InvalidMessage(field, f"must be a non-empty string of at most {MAX_ID_LENGTH} chars")
+        raise InvalidMessage(f"{field}{name}",
+                             f"must be a non-empty string of at most {MAX_ID_LENGTH} chars")
     return value
 
 
-def optional_ident(value: Any, field: str) -> str | None:
+def optional_ident(value: Any, field: str, name: str = "") -> str | None:
     """None, or an id as `ident` takes it (a group: None is the key's default group)."""
-    return None if value is None else ident(value, field)
+    return None if value is None else ident(value, field, name)
 
 
 # --- lenient readers: what the hints of request.py and reply.py share ---------

@@ -133,20 +133,28 @@ def _demand_wire(entry: DemandEntry) -> dict[str, Any]:
     return wire
 
 
-def _count(value: Any, field: str) -> int:
+# A field's name is `where` + `name`, joined only for an error: a valid message,
+# the usual one, builds no names.
+
+def _count(value: Any, where: str, name: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidMessage(field, "must be an integer")
+        raise InvalidMessage(f"{where}{name}", "must be an integer")
     if not 0 <= value <= MAX_COUNT:
-        raise InvalidMessage(field, f"must be between 0 and {MAX_COUNT}, got {value}")
+        raise InvalidMessage(f"{where}{name}", f"must be between 0 and {MAX_COUNT}, got {value}")
     return value
 
 
-def _time(value: Any, field: str) -> float:
+def _time(value: Any, where: str, name: str | int = "") -> float:
+    """`name` an int: the index of a list's entry."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidMessage(field, "must be a number (epoch seconds)")
+        raise InvalidMessage(_name(where, name), "must be a number (epoch seconds)")
     if not math.isfinite(value) or value < 0:
-        raise InvalidMessage(field, "must be a finite, non-negative epoch time")
+        raise InvalidMessage(_name(where, name), "must be a finite, non-negative epoch time")
     return float(value)
+
+
+def _name(where: str, name: str | int) -> str:
+    return f"{where}[{name}]" if isinstance(name, int) else f"{where}{name}"
 
 
 def _entries(message: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
@@ -167,12 +175,12 @@ def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
     listed = 0
     for i, raw in enumerate(_entries(message, "demand")):
         where = f"demand[{i}]."
-        group = optional_ident(required(raw, "group", where), f"{where}group")
+        group = optional_ident(required(raw, "group", where), where, "group")
         if group in seen:
             raise InvalidMessage(f"{where}group", f"{group!r} appears twice")
         seen.add(group)
-        count = _count(required(raw, "count", where), f"{where}count")
-        oldest_at = _time(required(raw, "oldest_at", where), f"{where}oldest_at")
+        count = _count(required(raw, "count", where), where, "count")
+        oldest_at = _time(required(raw, "oldest_at", where), where, "oldest_at")
         queued_at = _queued_at(raw.get("queued_at", []), f"{where}queued_at", count, oldest_at)
         listed += len(queued_at)
         if listed > MAX_QUEUED_AT_TOTAL:
@@ -180,7 +188,7 @@ def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
                                  f"the message lists more than {MAX_QUEUED_AT_TOTAL} times")
         ready = raw.get("ready")
         if ready is not None:
-            ready = _count(ready, f"{where}ready")
+            ready = _count(ready, where, "ready")
             if ready > count:
                 raise InvalidMessage(f"{where}ready", f"{ready} is more than count {count}")
         demand.append(DemandEntry(group, count, oldest_at, queued_at, ready))
@@ -192,7 +200,7 @@ def _queued_at(value: Any, field: str, count: int, oldest_at: float) -> tuple[fl
         raise InvalidMessage(field, "must be a list")
     if len(value) > min(count, MAX_QUEUED_AT):
         raise InvalidMessage(field, f"lists more than count or {MAX_QUEUED_AT} times")
-    times = tuple(_time(at, f"{field}[{i}]") for i, at in enumerate(value))
+    times = tuple([_time(at, field, i) for i, at in enumerate(value)])
     if times and times[0] != oldest_at:
         raise InvalidMessage(field, "must start at oldest_at")
     if any(later < earlier for earlier, later in pairwise(times)):
@@ -207,12 +215,12 @@ def _marks(message: Mapping[str, Any], field: str, id_name: str, taken_name: str
     seen: set[str] = set()
     for i, raw in enumerate(_entries(message, field)):
         where = f"{field}[{i}]."
-        entry_id = ident(required(raw, id_name, where), f"{where}{id_name}")
+        entry_id = ident(required(raw, id_name, where), where, id_name)
         if entry_id in seen:
             raise InvalidMessage(f"{where}{id_name}", f"{entry_id!r} appears twice")
         seen.add(entry_id)
-        taken = _count(required(raw, taken_name, where), f"{where}{taken_name}")
-        released = _count(required(raw, "released", where), f"{where}released")
+        taken = _count(required(raw, taken_name, where), where, taken_name)
+        released = _count(required(raw, "released", where), where, "released")
         if released > taken:
             raise InvalidMessage(f"{where}released", f"cannot exceed {taken_name}")
         yield where, raw, entry_id, taken, released
@@ -229,7 +237,7 @@ def _lease_reports(message: Mapping[str, Any]) -> tuple[LeaseReport, ...]:
         stopped = raw.get("stopped", False)
         if not isinstance(stopped, bool):
             raise InvalidMessage(f"{where}stopped", "must be a boolean")
-        group = optional_ident(raw.get("group"), f"{where}group")
+        group = optional_ident(raw.get("group"), where, "group")
         reports.append(LeaseReport(lease_id, drawn, released, stopped, group))
     return tuple(reports)
 
