@@ -45,7 +45,8 @@ def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
     semaphores = [
         DurabilitySemaphore(name, database=config["database"], limit=limit_of,
                             round_wait=spec["round_wait"], round_period=spec["round_period"],
-                            handoff_window=spec.get("handoff_window", 60.0),
+                            **({"handoff_window": spec["handoff_window"]}
+                               if "handoff_window" in spec else {}),
                             leases=Leases() if spec["leases"] else None,
                             group_limit=group_limit_of if spec.get("group_limit") else None)
         for name, spec in config["semaphores"].items()

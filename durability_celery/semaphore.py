@@ -170,7 +170,8 @@ class DurabilitySemaphore:
 
     @property
     def handoff_window(self) -> float:
-        """Seconds a permit may pass from a finished task to the next; 0: one-shot permits."""
+        """Seconds a permit may pass from a finished task to the next while others wait
+        for its key; 0: one-shot permits."""
         return self._handoff_window
 
     @property

@@ -290,6 +290,11 @@ class Permits:
         if ledger is None or ledger.over_limit:
             return -math.inf  # a lowered limit bites as running items end, not a window later
         until = permit.since + settings.handoff_window
+        if settings.handoff_window and permit.key not in self._urgent:
+            # Nobody waits for the key (its last reply was neither contended nor
+            # blocked): a chain here puts no other work behind it, and the window
+            # binds only while a reply says others wait.
+            until = math.inf
         if permit.source == "lease":
             # Retired or expired: the holder wants the capacity back; its running items
             # just finish. A lease we stopped ourselves (others wait and nothing was

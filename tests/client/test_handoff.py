@@ -25,8 +25,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def granted(clock: FakeClock, *, window: float = 60.0, linger: float = 0.0, permits: int = 1,
-            items: tuple[tuple[str | None, str, float], ...] = ()) -> SemaphoreClient:
-    """A client holding `permits` claimed grant permits (group None), then `items` queued."""
+            items: tuple[tuple[str | None, str, float], ...] = (),
+            contended: bool = False) -> SemaphoreClient:
+    """A client holding `permits` claimed grant permits (group None), then `items` queued;
+    `contended`: the last reply said others wait for the key."""
     client = make_client(clock, handoff_window=window, handoff_linger=linger)
     for i in range(permits):
         client.enqueue(KEY, None, f"run-{i}", enqueued_at=1.0 + i / 10)
@@ -37,7 +39,7 @@ def granted(clock: FakeClock, *, window: float = 60.0, linger: float = 0.0, perm
     # The holder heard of the claims: they pass on for the whole window, not only until
     # a claim margin before the deadline (see the tests of unacknowledged claims).
     client.message(KEY)
-    client.on_response(KEY, reply(clock.now, grants=[
+    client.on_response(KEY, reply(clock.now, contended=contended, grants=[
         grant("g1", permits=permits, claimed=permits, claim_deadline=clock.now + 10)]))
     for group, item, at in items:
         client.enqueue(KEY, group, item, enqueued_at=at)
@@ -86,9 +88,9 @@ def test_with_nothing_queued_in_its_key_and_group_the_permit_is_released() -> No
     assert client.held() == {KEY: {"other": 1}, "acct-2": {None: 1}}
 
 
-def test_a_chain_ends_handoff_window_after_the_claim() -> None:
+def test_while_others_wait_a_chain_ends_handoff_window_after_the_claim() -> None:
     clock = FakeClock()
-    client = granted(clock, window=30.0,
+    client = granted(clock, window=30.0, contended=True,
                      items=tuple((None, f"q{i}", 10.0 + i) for i in range(3)))
     clock.advance(20.0)
     first = client.pass_on("run-0")
@@ -99,6 +101,22 @@ def test_a_chain_ends_handoff_window_after_the_claim() -> None:
     clock.advance(0.1)  # 30 s since the claim: the chain ends
     assert client.pass_on("q1") is None
     assert client.held() == {KEY: {None: 1}}
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_while_nobody_waits_a_chain_goes_on_past_the_window_until_a_reply_says_others_do(
+) -> None:
+    clock = FakeClock()
+    client = granted(clock, window=30.0,
+                     items=tuple((None, f"q{i}", 10.0 + i) for i in range(3)))
+    clock.advance(40.0)
+    first = client.pass_on("run-0")
+    assert first is not None and first.item_id == "q0" and first.since == 1000.0
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, contended=True, grants=[
+        grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
+    assert client.pass_on("q0") is None, "others wait: 40 s since the claim ends the chain"
+    assert client.held() == {KEY: {None: 2}}
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
 
 
@@ -285,16 +303,28 @@ def test_a_burst_after_the_permit_went_back_asks_at_once_on_a_free_key() -> None
     assert client.due() == [KEY]  # the key was free: no period to wait for
 
 
-def test_a_permit_lingers_no_longer_than_its_handoff_window() -> None:
+def test_while_nobody_waits_a_permit_lingers_its_whole_linger_past_the_window() -> None:
     clock = FakeClock()
     client = granted(clock, window=10.0, linger=5.0)
     clock.advance(9.0)
     assert client.pass_on("run-0") is None
-    clock.advance(0.9)
+    clock.advance(4.9)  # past the window, within the linger
     client.due()
     assert grant_reports(client.message(KEY)) == {"g1": (1, 0)}
-    clock.advance(0.1)  # 10 s since the claim, well before the 5 s linger would end
+    clock.advance(0.1)
     client.due()
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def test_a_permit_kept_idle_goes_back_when_a_reply_says_others_wait_past_its_window(
+) -> None:
+    clock = FakeClock()
+    client = granted(clock, window=10.0, linger=30.0)
+    clock.advance(12.0)
+    assert client.pass_on("run-0") is None
+    assert grant_reports(client.message(KEY)) == {"g1": (1, 0)}
+    client.on_response(KEY, reply(clock.now, contended=True, grants=[
+        grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
 
 

@@ -99,7 +99,7 @@ def make_app(config: dict[str, Any]) -> tuple[Celery, Durability]:
         limit=live.limit, group_limit=live.group_limit,
         round_wait=sem.get("round_wait", 0.05), round_period=sem.get("round_period", 0.2),
         grant_timeout=sem.get("grant_timeout", 5.0), leases=_leases(sem.get("leases")),
-        handoff_window=sem.get("handoff_window", 60.0),
+        **({"handoff_window": sem["handoff_window"]} if "handoff_window" in sem else {}),
     )
     settings = DurabilitySettings(**config.get("settings", {}))
     return app, Durability(app, [semaphore], settings=settings)
