@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from benchmarks.cluster import LOG_DIR, Cluster, create_database, running, suite_config
-from benchmarks.measure import _busy, _settle
+from benchmarks.measure import _busy, _settle, behind_younger
 from benchmarks.plan import DEFAULT
 from benchmarks.report import (
     FLEET_PLOT,
@@ -209,6 +209,15 @@ def peaks(rows: Sequence[Row], by: Callable[[Row], Any]) -> dict[Any, int]:
             for part, found in parts.items()}
 
 
+def behind(rows: Sequence[Row]) -> float:
+    """The longest a task started after a younger task (published later) of its key and
+    group had started (measure.behind_younger), over the run's keys and groups."""
+    parts: dict[tuple[str, str | None], list[tuple[float, float, float]]] = {}
+    for row in rows:
+        parts.setdefault((row.key, row.group), []).append((row.start, row.end, row.published))
+    return max((behind_younger(found) for found in parts.values()), default=0.0)
+
+
 def percentile(values: Sequence[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
@@ -232,6 +241,7 @@ def analyze(rows: Sequence[Row], deployment: Deployment, keys: Sequence[str],
             "idle_free_slot_s": max(g[1] for g in gaps.values()),
             "first_ms": [ms for _, ms in sorted(
                 (index[key], ms) for key, ms in first_task_ms(rows).items())],
+            "behind_s": behind(rows),
             "peaks": [key_peaks.get(key, 0) for key in keys],
             "group_peaks": [group_peaks.get((key, group), 0)
                             for (key, group) in group_limits],

@@ -132,7 +132,23 @@ def _busy(rows: list[tuple[float, float, float]], limit: int, stop: float) -> di
         running += step
         peak = max(peak, running)
     return {"utilization": used / (limit * window), "max_running": peak, "window": window,
-            "first_start_s": first - min(p for _, _, p in rows)}
+            "first_start_s": first - min(p for _, _, p in rows),
+            "behind_younger_s": behind_younger(rows)}
+
+
+def behind_younger(rows: list[tuple[float, float, float]]) -> float:
+    """The longest a task started after a task of its run published later than it had
+    started: how far the run strayed from oldest first (0: never). Rows are (start, end,
+    published)."""
+    worst, younger_start = 0.0, float("inf")
+    by_published: dict[float, list[float]] = {}
+    for start, _, published in rows:
+        by_published.setdefault(published, []).append(start)
+    for published in sorted(by_published, reverse=True):
+        starts = by_published[published]
+        worst = max(worst, max(starts) - younger_start)
+        younger_start = min(younger_start, min(starts))
+    return worst
 
 
 def latency(cluster: Cluster, variant: str, *, samples: int, spacing: float) -> dict[str, Any]:

@@ -143,12 +143,16 @@ def _references(rows: list[dict[str, Any]], field: str = "per_s") -> dict[int, f
 def _utilization(results: dict[str, Any]) -> list[str]:
     lines = ["2. Utilization under contention: 2 client workers x 16 threads, demand kept at",
              "   1.5 x limit + 4; utilization = integral of running / limit over [first start,",
-             "   end of feeding]; max running from the task ledger (start/end times).",
+             "   end of feeding]; max running from the task ledger (start/end times);",
+             "   behind = the longest a task started after a younger one (published later)",
+             "   had started: how far from oldest first.",
              "", f"   {'variant':<68} {'task s':>6} {'limit':>5} {'util':>6} {'max run':>7} "
-             f"{'tasks':>6} {'retries':>7}"]
+             f"{'behind':>6} {'tasks':>6} {'retries':>7}"]
     for r in results.get("utilization", []):
+        behind = r.get("behind_younger_s")
         lines.append(f"   {LABELS[r['variant']]:<68} {r['work']:>6} {r['limit']:>5} "
-                     f"{r['utilization']:>6.3f} {r['max_running']:>7} {r['done']:>6} "
+                     f"{r['utilization']:>6.3f} {r['max_running']:>7} "
+                     f"{'-' if behind is None else f'{behind:.2f}':>6} {r['done']:>6} "
                      f"{r['retries']:>7}{'' if r['drained'] else '  (not drained)'}")
     reached: dict[tuple[float, int], list[str]] = {}
     for r in results.get("utilization", []):
@@ -212,6 +216,7 @@ class FleetCell:
                 "ideal_s": median(r["ideal_s"] for r in ran),
                 "idle_s": max(r["idle_s"] for r in ran),
                 "idle_free_slot_s": max(r["idle_free_slot_s"] for r in ran),
+                "behind_s": max((r["behind_s"] for r in ran if "behind_s" in r), default=None),
                 "first_p50_ms": median(firsts),
                 "first_p99_ms": sorted(firsts)[min(len(firsts) - 1, int(len(firsts) * 0.99))],
                 "settle_s": ("-" if ran[0]["variant"] == "plain" else
@@ -258,7 +263,9 @@ def fleet_lines(rows: list[dict[str, Any]]) -> list[str]:
              "   brackets: while a slot was free too); first = publish to start of each key's",
              "   first task, p50/p99 over keys and passes; usage 0 = last end until usage()",
              "   reads no outstanding permit and no lease footprint for every key (50 ms polls,",
-             "   up to 15 s), worst pass; peaks = most running at once per key (then the",
+             "   up to 15 s), worst pass; behind = the longest a task started after a younger",
+             "   one of its key and group had started, worst pass (how far from oldest first);",
+             "   peaks = most running at once per key (then the",
              "   workflow's, per key), worst pass, over the limits. All from the tasks' ledger.",
              f"   Targets (admitted): efficiency >= {t['efficiency']:.2f}, idle with a free slot",
              f"   <= {t['idle_s']} s, usage 0 <= {t['settle_s']:.0f} s, peaks <= limits; on a free"
@@ -274,7 +281,8 @@ def fleet_lines(rows: list[dict[str, Any]]) -> list[str]:
             lines += ["", f"   {first.get('title', deployment)}: {first['tasks']} tasks, "
                       f"{first['slots']} slots",
                       f"   {'variant':<7} {'efficiency':<17} {'makespan/ideal s':<16} "
-                      f"{'idle s':<14} {'first p50/p99 ms':<16} {'usage 0 s':>9}  peaks/limits"]
+                      f"{'idle s':<14} {'first p50/p99 ms':<16} {'usage 0 s':>9} "
+                      f"{'behind s':>8}  peaks/limits"]
         f = cell.figures()
         if not f:
             lines.append(f"   {variant:<7} no task ran")
@@ -286,9 +294,11 @@ def fleet_lines(rows: list[dict[str, Any]]) -> list[str]:
         if f["group_peaks"]:
             peaks += " workflow " + ",".join(map(str, f["group_peaks"]))
         idle = f"{f['idle_s']:.2f} ({f['idle_free_slot_s']:.2f})"
+        behind = "-" if f["behind_s"] is None else f"{f['behind_s']:.2f}"
         lines.append(f"   {variant:<7} {f['efficiency']:<5.2f} {spread:<11} "
                      f"{f['makespan_s']:>5.1f} / {f['ideal_s']:<8.1f} {idle:<14} "
-                     f"{f['first_p50_ms']:>5.0f} / {f['first_p99_ms']:<8.0f} {settle:>9}  "
+                     f"{f['first_p50_ms']:>5.0f} / {f['first_p99_ms']:<8.0f} {settle:>9} "
+                     f"{behind:>8}  "
                      f"{peaks}")
         notes = []
         if variant != "plain":  # plain Celery is the reference: it keeps no limit

@@ -10,6 +10,7 @@ from benchmarks.fleets import (
     Deployment,
     Row,
     analyze,
+    behind,
     first_task_ms,
     ideal_makespan,
     idle_gaps,
@@ -32,6 +33,19 @@ LEDGER = [
     Row(0.1, 1.1, 0.0, "2:b", None, "w1"),
 ]
 LIMITS = {"1:a": 1, "2:b": 2}
+
+
+def test_behind_is_how_long_a_task_started_after_a_younger_one_of_its_key_and_group() -> None:
+    assert behind(LEDGER) == 0.0, "tasks published together are not younger than each other"
+    inverted = [
+        Row(4.0, 5.0, 0.0, "1:a", None, "w0"),   # the oldest, started 3.5 s after t=0.1's
+        Row(0.5, 1.5, 0.1, "1:a", None, "w1"),
+        Row(1.5, 2.5, 0.2, "1:a", None, "w1"),
+        Row(0.0, 9.0, 0.3, "1:a", "g", "w1"),    # another group: no order against "a"
+        Row(2.0, 3.0, 0.0, "2:b", None, "w0"),
+        Row(3.0, 4.0, 0.1, "2:b", None, "w0"),   # in order
+    ]
+    assert behind(inverted) == pytest.approx(3.5)
 
 
 def test_ideal_is_the_pool_or_the_slowest_key_at_its_limit() -> None:
