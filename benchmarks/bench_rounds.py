@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,8 +165,9 @@ def bench_core(clients: int, groups: int, budget: float) -> Result:
 
     def step(messages: list[dict[str, Any]], now: float) -> Sequence[dict[str, Any]]:
         nonlocal state
+        # The holder's own id source (random bytes read for many ids at once).
         result = run_round(state, messages, config=config, limits=limits, now=now,
-                           new_id=lambda: uuid.uuid4().hex)
+                           new_id=semaphore_module._new_id)
         state = result.state
         return result.responses
 
