@@ -200,22 +200,26 @@ def first_task_ms(rows: Sequence[Row]) -> dict[str, float]:
     return {key: (row.start - row.published) * 1000 for key, row in first.items()}
 
 
-def peaks(rows: Sequence[Row], by: Callable[[Row], Any]) -> dict[Any, int]:
-    """The most tasks running at once, per `by(row)` (a key, or a key and group)."""
+def _parts(rows: Sequence[Row],
+           by: Callable[[Row], Any]) -> dict[Any, list[tuple[float, float, float]]]:
+    """(start, end, published) of the rows, per `by(row)`."""
     parts: dict[Any, list[tuple[float, float, float]]] = {}
     for row in rows:
         parts.setdefault(by(row), []).append((row.start, row.end, row.published))
+    return parts
+
+
+def peaks(rows: Sequence[Row], by: Callable[[Row], Any]) -> dict[Any, int]:
+    """The most tasks running at once, per `by(row)` (a key, or a key and group)."""
     return {part: _busy(found, 1, max(r[1] for r in found))["max_running"]
-            for part, found in parts.items()}
+            for part, found in _parts(rows, by).items()}
 
 
 def behind(rows: Sequence[Row]) -> float:
     """The longest a task started after a younger task (published later) of its key and
     group had started (measure.behind_younger), over the run's keys and groups."""
-    parts: dict[tuple[str, str | None], list[tuple[float, float, float]]] = {}
-    for row in rows:
-        parts.setdefault((row.key, row.group), []).append((row.start, row.end, row.published))
-    return max((behind_younger(found) for found in parts.values()), default=0.0)
+    return max((behind_younger(found)
+                for found in _parts(rows, lambda r: (r.key, r.group)).values()), default=0.0)
 
 
 def percentile(values: Sequence[float], share: float) -> float:

@@ -116,6 +116,7 @@ def utilization(cluster: Cluster, variant: str, *, limit: int, work: float, seco
     result = {"variant": variant, "limit": limit, "work": work, "published": published,
               "done": done, "retries": cluster.retries(run), "drained": done >= published}
     result.update(_busy(rows, limit, stop))
+    result["behind_younger_s"] = behind_younger(rows)
     return result
 
 
@@ -132,8 +133,7 @@ def _busy(rows: list[tuple[float, float, float]], limit: int, stop: float) -> di
         running += step
         peak = max(peak, running)
     return {"utilization": used / (limit * window), "max_running": peak, "window": window,
-            "first_start_s": first - min(p for _, _, p in rows),
-            "behind_younger_s": behind_younger(rows)}
+            "first_start_s": first - min(p for _, _, p in rows)}
 
 
 def behind_younger(rows: list[tuple[float, float, float]]) -> float:
