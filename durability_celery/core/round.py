@@ -225,7 +225,7 @@ def run_round(
     heard = {r.client_id for r in checked if isinstance(r, Request)}
     new_state = _with(
         state, ledger, config, heard, now, last_round_at=now, rounds=state.rounds + 1,
-        limit=resolved.limit if resolved.limit is not None else state.limit,
+        limit=resolved.limit,
         blocked=_blocked(allocation),
     )
     index = ClientIndex(new_state, ledger, allocation,
