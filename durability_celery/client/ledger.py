@@ -39,6 +39,10 @@ class KeyLedger:
     contended: bool = False
     over_limit: bool = False
     blocked: dict[str | None, Blocked] = field(default_factory=dict)
+    waiting: dict[str | None, tuple[bool, list[float]]] = field(default_factory=dict)
+    """Group -> (only its own permits serve it, enqueue times of others' items the last
+    reply said wait, oldest first); a permit given back for one drops its time (see
+    Permits.pass_on)."""
     returned: bool = False
     """Unused grant permits were given back since the last message: report at once."""
     tombstones: dict[str, float] = field(default_factory=dict)
@@ -105,6 +109,8 @@ class KeyLedger:
             self.contended = reply.contended
             self.over_limit = reply.over_limit
             self.blocked = {b.group: b for b in reply.blocked}
+            self.waiting = {w.group: (w.reason == "group_limit", list(w.queued_at))
+                            for w in reply.waiting}
             # Receipt time plus the holder's wait: a skewed holder clock cannot stall us.
             wait = max(0.0, reply.next_request_at - reply.round_at)
             schedule.next_request_at = now + max(0.0, wait - ask_early)

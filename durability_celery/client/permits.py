@@ -19,6 +19,11 @@ from .queue import ClientQueue, Order
 _UNTIL = itemgetter(0)  # kept idle permits, (until, permit), sort by until
 _DEADLINE = attrgetter("claim_deadline")
 
+HANDOFF_TURN = 4.0
+"""Seconds a permit passes on here before it goes back for an older item another worker
+waits with: going back at every task end for strict order would cost short tasks a round
+trip to the holder each, so workers take turns of at least this long."""
+
 
 
 class Permit(NamedTuple):
@@ -217,7 +222,9 @@ class Permits:
             # left unclaimed behind a chain it would be claimed late, near its claim
             # deadline, where one lost report lets the holder reclaim it while it runs.
             if (now >= usable_until or self._claimable(permit, now)
-                    or self._older_elsewhere(key, permit.group, queue[0], now)):
+                    or self._older_elsewhere(key, permit.group, queue[0], now)
+                    or (permit.source == "grant" and now - permit.since >= HANDOFF_TURN
+                        and self._older_waits(key, permit.group, queue[0]))):
                 self.give_back(permit)
                 return None
             successor = queue[0][2]
@@ -265,6 +272,23 @@ class Permits:
                         and (not self._blocked(other, other_group)
                              or self.held(other, other_group, now) > 0)):
                     return True
+        return False
+
+    def _older_waits(self, key: str, group: str | None, successor: Order) -> bool:
+        """Whether the key's last reply listed an item of another client, older than
+        `successor`, that a permit of `group` given back would serve (the holder grants
+        the oldest items its clients can start now).
+        Its time is dropped, so one reply sends back at most one permit per item listed.
+        Beyond the spec, which orders only what reaches a round: a chain here would keep
+        older work of other workers waiting up to the handoff window. Grant permits only:
+        a lease permit given back stays in its lease."""
+        ledger = self._ledgers.get(key)
+        if ledger is None or not ledger.waiting:
+            return False
+        for waiting_group, (own_group_only, times) in ledger.waiting.items():
+            if times and times[0] < successor[0] and (waiting_group == group or not own_group_only):
+                times.pop(0)
+                return True
         return False
 
     def _blocked(self, key: str, group: str | None) -> bool:

@@ -4,19 +4,23 @@
 # goes in is decided here; how each entry is written is wire/reply.py's.
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from ..wire.reply import (
+    MAX_WAITING,
     blocked_entry,
     gone_grant_entry,
     grant_entry,
     lease_entry,
     reply_body,
     unknown_lease_entry,
+    waiting_entry,
 )
-from ..wire.request import Request
-from .allocate import Allocation
+from ..wire.request import DemandEntry, Request
+from .allocate import Allocation, Demand
 from .config import RoundConfig
 from .keystate import KeyState
 from .ledger import Ledger
@@ -26,7 +30,7 @@ class ClientIndex:
     """The round's outcome grouped by client once, so answering n clients costs O(n)."""
 
     def __init__(self, state: KeyState, ledger: Ledger, allocation: Allocation,
-                 ttl: float | None, ack_timeout: float) -> None:
+                 ttl: float | None, ack_timeout: float, demand: Sequence[Demand] = ()) -> None:
         self.grants: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.leases: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.blocked: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -40,6 +44,71 @@ class ClientIndex:
                 lease_entry(lease, lease.expires_at(ttl, ack_timeout), "settled"))
         for (client, group), (count, reason) in allocation.unmet.items():
             self.blocked[client].append(blocked_entry(group, reason, count))
+        self.waiting: dict[str | None, Waited] = (
+            _waiting(demand, allocation) if allocation.unmet and demand else {})
+        # Most clients of a round of many own none of the first items listed: one list
+        # serves them all.
+        self._owners: frozenset[str] = frozenset().union(
+            *(owners for *_, owners in self.waiting.values()))
+        self._shared = [waiting_entry(group, reason, shown)
+                        for group, (reason, _, shown, _) in self.waiting.items()]
+
+    def waiting_for(self, client_id: str) -> list[dict[str, Any]]:
+        """The oldest items of other clients left waiting, per group (see Waiting)."""
+        if client_id not in self._owners:
+            return self._shared
+        entries = []
+        for group, (reason, items, _, _) in self.waiting.items():
+            times = [at for at, client in items if client != client_id][:MAX_WAITING]
+            if times:
+                entries.append(waiting_entry(group, reason, times))
+        return entries
+
+
+Waited = tuple[str, list[tuple[float, str]], list[float], frozenset[str]]
+"""A group's reason, its waiting items, (enqueued_at, client_id), oldest first, the times
+of the first MAX_WAITING of them, and their clients."""
+
+
+def _waiting(demand: Sequence[Demand], allocation: Allocation) -> dict[str | None, Waited]:
+    """Per group, the oldest items left waiting that their clients could start now (their
+    `ready` ones) and a permit given back could serve: held back by the key's limit or
+    their group's ceiling, not refused. Each client's first MAX_WAITING, so every client
+    finds that many of others' among twice as many."""
+    by_group: dict[str | None, tuple[str, list[tuple[float, str]]]] = {}
+    for d in demand:
+        unmet = allocation.unmet.get(d.pair)
+        if unmet is None or unmet[1] not in ("limit", "group_limit"):
+            continue
+        entry = d.entry
+        given = entry.count - unmet[0]
+        ready = entry.count if entry.ready is None else entry.ready
+        if ready <= given:
+            continue
+        _, items = by_group.setdefault(entry.group, (unmet[1], []))
+        if unmet[1] == "group_limit":  # its ceiling is full: only its own permits serve it
+            by_group[entry.group] = ("group_limit", items)
+        _items(entry, d.client_id, given, min(ready, given + MAX_WAITING), items)
+    waited = {}
+    for group, (reason, items) in by_group.items():
+        items = heapq.nsmallest(2 * MAX_WAITING, items)
+        shown = items[:MAX_WAITING]
+        waited[group] = (reason, items, [at for at, _ in shown],
+                         frozenset(client for _, client in shown))
+    return waited
+
+
+def _items(entry: DemandEntry, client_id: str, start: int, stop: int,
+           into: list[tuple[float, str]]) -> None:
+    """Add the entry's items from index `start` to `stop` to `into`."""
+    index = 0
+    for at, count in entry.runs():
+        first, last = max(start, index), min(stop, index + count)
+        if last > first:
+            into.extend([(at, client_id)] * (last - first))
+        index += count
+        if index >= stop:
+            return
 
 
 def _grants(request: Request, index: ClientIndex) -> list[dict[str, Any]]:
@@ -82,4 +151,5 @@ def respond(
         grants=_grants(request, index),
         leases=_leases(request, index),
         blocked=list(index.blocked.get(request.client_id, [])),
+        waiting=index.waiting_for(request.client_id) if index.waiting else None,
     )

@@ -215,8 +215,9 @@ def run_round(
     resolved = ResolvedLimits(limits, state.key)
     _retire_disallowed(ledger, resolved, config)
     ledger.settle()
+    demand = _demand(checked)
     allocation = allocate(
-        ledger, _demand(checked), limits=resolved, config=config, now=now, new_id=new_id
+        ledger, demand, limits=resolved, config=config, now=now, new_id=new_id
     )
     for grant in allocation.grants:
         ledger.grants[grant.grant_id] = grant
@@ -230,7 +231,8 @@ def run_round(
     )
     index = ClientIndex(new_state, ledger, allocation,
                         config.leases.ttl if config.leases is not None else None,
-                        config.grant_timeout)
+                        config.grant_timeout,
+                        demand if len(heard) > 1 else ())  # others' items only: none to list
     over = _over_limit(ledger, resolved, config)
     responses = tuple(
         error_response(request) if isinstance(request, InvalidMessage)

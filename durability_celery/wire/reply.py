@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal, Protocol
 
 from ..errors import InvalidMessage
@@ -49,6 +50,23 @@ class Blocked:
 
     def to_dict(self) -> dict[str, object]:
         return blocked_entry(self.group, self.reason, self.queued)
+
+
+MAX_WAITING = 16
+"""Most enqueue times a reply lists per group of others' waiting items: a client gives
+back at most one permit per listed item before its next reply tells again."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Items of one group that other clients could start now, left waiting by a round
+    (beyond the spec): their enqueue times, oldest first. `reason` "limit": the key's
+    limit held them back, and any permit of the key given back serves them; "group_limit":
+    the group's ceiling did, and only a permit of that group does."""
+
+    group: str | None
+    reason: Literal["group_limit", "limit"]
+    queued_at: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,8 @@ class Reply:
     grants: tuple[GrantView, ...] = ()
     leases: tuple[LeaseView, ...] = ()
     blocked: tuple[Blocked, ...] = ()
+    waiting: tuple[Waiting, ...] = ()
+    """Others' oldest items waiting on this key (absent from older holders)."""
 
 
 class GrantFields(Protocol):
@@ -171,11 +191,16 @@ def blocked_entry(group: str | None, reason: BlockedReason, queued: int) -> dict
     return {"group": group, "reason": reason, "queued": queued}
 
 
+def waiting_entry(group: str | None, reason: str, queued_at: list[float]) -> dict[str, Any]:
+    return {"group": group, "reason": reason, "queued_at": queued_at}
+
+
 def reply_body(*, semaphore: str, key: str, round_at: float, next_request_at: float,
                contended: bool, over_limit: bool, grants: list[dict[str, Any]],
-               leases: list[dict[str, Any]], blocked: list[dict[str, Any]]) -> dict[str, Any]:
+               leases: list[dict[str, Any]], blocked: list[dict[str, Any]],
+               waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The JSON-ready reply to one client's request for (semaphore, key)."""
-    return {
+    body = {
         "v": VERSION, "semaphore": semaphore, "key": key,
         "round_at": round_at, "next_request_at": next_request_at,
         "contended": contended,
@@ -184,6 +209,9 @@ def reply_body(*, semaphore: str, key: str, round_at: float, next_request_at: fl
         "leases": leases,
         "blocked": blocked,
     }
+    if waiting:
+        body["waiting"] = waiting
+    return body
 
 
 def _count(value: Any, field: str) -> int:
@@ -258,6 +286,22 @@ def _blocked(raw: Mapping[str, Any], where: str) -> Blocked:
     )
 
 
+def _waiting(raw: Mapping[str, Any], where: str) -> Waiting:
+    queued_at = raw.get("queued_at", [])
+    if not isinstance(queued_at, list) or not 0 < len(queued_at) <= MAX_WAITING:
+        raise InvalidMessage(f"{where}queued_at",
+                             f"must be a list of 1 to {MAX_WAITING} epoch times")
+    times = tuple(_time(at, f"{where}queued_at[{i}]") for i, at in enumerate(queued_at))
+    if any(later < earlier for earlier, later in pairwise(times)):
+        raise InvalidMessage(f"{where}queued_at", "must be oldest first")
+    return Waiting(
+        group=optional_ident(raw.get("group"), f"{where}group"),
+        reason=_status(required(raw, "reason", where), f"{where}reason",
+                       ("group_limit", "limit")),
+        queued_at=times,
+    )
+
+
 def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
     """Validate a holder reply for (semaphore, key); raises InvalidMessage naming the field."""
     if not isinstance(raw, Mapping):
@@ -283,6 +327,7 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
         grants=tuple(_grant(g, f"grants[{i}].") for i, g in enumerate(_list(raw, "grants"))),
         leases=tuple(_lease(le, f"leases[{i}].") for i, le in enumerate(_list(raw, "leases"))),
         blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),
+        waiting=tuple(_waiting(w, f"waiting[{i}].") for i, w in enumerate(_list(raw, "waiting"))),
     )
 
 

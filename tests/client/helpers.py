@@ -46,11 +46,15 @@ def lease(lease_id: str, *, group: str | None = None, permits: int = 4, drawn: i
 def reply(round_at: float, *, key: str = KEY, grants: list[dict[str, Any]] | None = None,
           leases: list[dict[str, Any]] | None = None, contended: bool = False,
           over_limit: bool = False, blocked: list[dict[str, Any]] | None = None,
-          next_request_at: float | None = None) -> dict[str, Any]:
-    return {"v": 1, "semaphore": SEM, "key": key, "round_at": round_at,
+          next_request_at: float | None = None,
+          waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    body = {"v": 1, "semaphore": SEM, "key": key, "round_at": round_at,
             "next_request_at": round_at + 2.0 if next_request_at is None else next_request_at,
             "contended": contended, "over_limit": over_limit, "grants": grants or [],
             "leases": leases or [], "blocked": blocked or []}
+    if waiting is not None:
+        body["waiting"] = waiting
+    return body
 
 
 def error(code: str = "unavailable") -> dict[str, Any]:

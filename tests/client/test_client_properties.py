@@ -36,7 +36,7 @@ KEYS = ("k1", "k2")
 GROUPS = (None, "g")
 MARGIN = 1.0
 GRANT_TIMEOUT = 6.0
-URGENCY = ("calm", "calm", "contended", "blocked")
+URGENCY = ("calm", "calm", "contended", "blocked", "waiting")
 TTL = 100.0
 """Longer than a shutdown may take, so stop() (not expiry) must return the leases."""
 
@@ -125,8 +125,9 @@ class FakeHolder:
 
     def answer(self, key: str, message: dict[str, Any], now: float, *,
                urgency: str) -> dict[str, Any]:
-        """`urgency`: "calm", "contended" (unmet demand: the client returns idle leases)
-        or "blocked" (a group of the key refused: waited on, leases kept)."""
+        """`urgency`: "calm", "contended" (unmet demand: the client returns idle leases),
+        "blocked" (a group of the key refused: waited on, leases kept) or "waiting"
+        (contended, and others' older items listed: chains give permits back for them)."""
         grants = [
             {"grant_id": gid, "group": g.group, "permits": g.permits, "claimed": g.claimed,
              "released": g.released, "claim_deadline": g.deadline, "status": g.status}
@@ -143,11 +144,17 @@ class FakeHolder:
         leases += [{"lease_id": r["lease_id"], "group": None, "permits": 0, "drawn": 0,
                     "released": 0, "expires_at": None, "status": "settled"}
                    for r in message["leases"] if r["lease_id"] not in live]
-        return {"v": 1, "semaphore": SEM, "key": key, "round_at": now,
-                "next_request_at": now + 2.0, "contended": urgency == "contended",
+        body = {"v": 1, "semaphore": SEM, "key": key, "round_at": now,
+                "next_request_at": now + 2.0,
+                "contended": urgency in ("contended", "waiting"),
                 "grants": grants, "leases": leases,
                 "blocked": ([{"group": "g", "reason": "limit", "queued": 1}]
                             if urgency == "blocked" else [])}
+        if urgency == "waiting":
+            body["waiting"] = [
+                {"group": None, "reason": "limit", "queued_at": [now - 400.0, now - 20.0]},
+                {"group": "g", "reason": "group_limit", "queued_at": [now - 300.0]}]
+        return body
 
 
 class _NoDraws:

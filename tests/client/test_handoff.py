@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from durability_celery.client import SemaphoreClient
+from durability_celery.client.permits import HANDOFF_TURN
 from durability_celery.errors import CallerError
 
 from .helpers import (
@@ -118,6 +119,51 @@ def test_while_nobody_waits_a_chain_goes_on_past_the_window_until_a_reply_says_o
     assert client.pass_on("q0") is None, "others wait: 40 s since the claim ends the chain"
     assert client.held() == {KEY: {None: 2}}
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+def told_waiting(client: SemaphoreClient, clock: FakeClock, permits: int,
+                 *entries: tuple[str | None, str, list[float]]) -> None:
+    """The next reply (contended, g1's `permits` all claimed) lists others' waiting items:
+    (group, reason, enqueue times)."""
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, contended=True, grants=[
+        grant("g1", permits=permits, claimed=permits, claim_deadline=clock.now + 10)],
+        waiting=[{"group": g, "reason": r, "queued_at": t} for g, r, t in entries]))
+
+
+def test_a_chain_gives_one_permit_back_per_older_item_another_worker_waits_with() -> None:
+    clock = FakeClock()
+    client = granted(clock, permits=2, items=tuple((None, f"q{i}", 990.0 + i) for i in range(3)))
+    told_waiting(client, clock, 2, (None, "limit", [985.0]))
+    clock.advance(HANDOFF_TURN)
+    assert client.pass_on("run-0") is None, "an item queued elsewhere before q0 waits"
+    passed = client.pass_on("run-1")
+    assert passed is not None and passed.item_id == "q0", "one permit for one item"
+    assert grant_reports(client.message(KEY)) == {"g1": (2, 1)}
+
+
+def test_a_chain_has_its_turn_and_goes_on_for_younger_items() -> None:
+    clock = FakeClock()
+    client = granted(clock, permits=2, items=((None, "q0", 990.0), (None, "q1", 991.0)))
+    told_waiting(client, clock, 2, (None, "limit", [985.0, 995.0]))
+    clock.advance(HANDOFF_TURN / 2)
+    passed = client.pass_on("run-0")
+    assert passed is not None and passed.item_id == "q0", "its turn goes on"
+    clock.advance(HANDOFF_TURN / 2)
+    assert client.pass_on("run-1") is None, "its turn is over, and 985 is older than q1"
+    passed = client.pass_on("q0")
+    assert passed is not None and passed.item_id == "q1", "995 is younger than q1"
+
+
+@pytest.mark.parametrize(("reason", "passes_on"), [("group_limit", True), ("limit", False)])
+def test_items_of_another_group_are_served_by_a_permit_given_back_unless_their_ceiling_is_full(
+    reason: str, passes_on: bool,
+) -> None:
+    clock = FakeClock()
+    client = granted(clock, items=((None, "q0", 990.0),))
+    told_waiting(client, clock, 1, ("w", reason, [985.0]))
+    clock.advance(HANDOFF_TURN)
+    assert (client.pass_on("run-0") is not None) == passes_on
 
 
 def claimed_unheard(clock: FakeClock) -> SemaphoreClient:

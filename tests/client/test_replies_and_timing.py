@@ -182,6 +182,28 @@ def test_a_malformed_reply_is_a_failure_and_changes_nothing() -> None:
     assert "leases[0].acknowledged" in (client.last_error(KEY) or "")
 
 
+@pytest.mark.parametrize(("entry", "field"), [
+    ({"group": None, "reason": "not_permitted", "queued_at": [1.0]}, "waiting[0].reason"),
+    ({"group": None, "reason": "limit", "queued_at": []}, "waiting[0].queued_at"),
+    ({"group": None, "reason": "limit", "queued_at": [2.0, 1.0]}, "waiting[0].queued_at"),
+    ({"group": None, "reason": "limit", "queued_at": [1.0] * 17}, "waiting[0].queued_at"),
+    ({"group": None, "reason": "limit", "queued_at": ["soon"]}, "waiting[0].queued_at[0]"),
+    ({"group": 7, "reason": "limit", "queued_at": [1.0]}, "waiting[0].group"),
+])
+def test_a_reply_with_a_malformed_waiting_entry_changes_nothing(
+    entry: dict[str, object], field: str,
+) -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    bad = reply(clock.now, grants=[grant("g1", permits=1, claim_deadline=clock.now + 10)],
+                waiting=[entry])
+    client.on_response(KEY, bad)
+    assert client.admit() == [], "the grant beside it is not taken either"
+    assert field in (client.last_error(KEY) or "")
+
+
 def test_heartbeat_at_half_the_lease_lifetime_while_permits_are_in_use() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, ttl=100.0)

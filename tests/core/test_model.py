@@ -3,14 +3,15 @@
 # duplicated and reordered, time passes, and limits go up and down.
 # After every step: clamps hold, the holder never believes more was released
 # than really was, it counts at least what really runs, and whatever a round
-# issues fits under the limit in force (limit + extra in `over` mode).
+# issues fits under the limit in force (limit + extra in `over` mode); and a round
+# of several clients lists to each only others' items left waiting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from core_harness import KEY, SEM, Limits, request, sync
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -129,6 +130,41 @@ class SemaphoreModel(RuleBasedStateMachine):
         if ready is not None:  # items this client could start now: any, up to count
             message["demand"][0]["ready"] = min(ready, count)
         self.deliver(message, client, lost_reply=lost_reply)
+
+    @rule(counts=st.lists(st.integers(0, 6), min_size=2, max_size=3),
+          group=st.sampled_from(GROUPS))
+    def ask_together(self, counts: list[int], group: str | None) -> None:
+        """Clients' requests in one round: each reply lists only other clients' items
+        left waiting (see Waiting), never more than that client's unmet demand."""
+        asked = {}
+        messages = []
+        for i, count in enumerate(counts):
+            client = CLIENTS[i]
+            asked[client] = self.now - count - i / 10  # distinct per client
+            messages.append(request(client, [(group, count, asked[client])],
+                                    **self.clients[client].report()))
+        before = self.sem.state(KEY)
+        replies = self.sem.run_round(KEY, messages, now=self.now)
+        state = self.sem.state(KEY)
+        new_grants = {g.grant_id for g in state.grants} - {g.grant_id for g in before.grants}
+        new_leases = ({le.lease_id for le in state.leases if le.status == "active"}
+                      - {le.lease_id for le in before.leases})
+        if new_grants or new_leases:
+            self.check_issue_fits(grant_issued=bool(new_grants))
+        unmet = {CLIENTS[i]: next((b["queued"] for b in r["blocked"]
+                                   if b["reason"] in ("limit", "group_limit")), 0)
+                 for i, r in enumerate(replies)}
+        for i, reply in enumerate(replies):
+            client = CLIENTS[i]
+            for entry in reply.get("waiting", []):
+                event("a reply lists others' waiting items")
+                assert entry["group"] == group
+                for other in {o for o in asked if o != client}:
+                    listed = entry["queued_at"].count(asked[other])
+                    assert listed <= unmet[other]
+                assert set(entry["queued_at"]) <= {asked[o] for o in asked if o != client}
+            self.sent.append(messages[i])
+            self.apply(self.clients[client], reply)
 
     @rule(client=st.sampled_from(CLIENTS), lost=st.booleans(), lost_reply=st.booleans())
     def report(self, client: str, lost: bool, lost_reply: bool) -> None:

@@ -111,10 +111,42 @@ def test_a_group_ceiling_cuts_one_demand_short_and_younger_items_go_on(
     assert blocked(second) == {"w": ("group_limit", 2)}
 
 
+def waiting(response: dict[str, Any]) -> dict[str | None, tuple[str, list[float]]]:
+    return {w["group"]: (w["reason"], w["queued_at"]) for w in response.get("waiting", [])}
+
+
+def test_a_reply_lists_the_items_other_clients_could_start_now_left_waiting(
+    make_semaphore: Any,
+) -> None:
+    sem = make_semaphore(Limits(2, deny={("c", None)}))
+    first, second, refused = sem.run_round(KEY, [
+        aged(request("a", [(None, 3, 10.0)]), [10.0, 11.0, 12.0]),
+        ready(aged(request("b", [(None, 3, 5.0)]), [5.0, 20.0, 21.0]), 2),
+        request("c", [(None, 1, 1.0)]),
+    ], now=T0)
+    assert (granted(first), granted(second), granted(refused)) == (1, 1, 0)
+    # b's item at 21 waits for a slot and c's is refused: a permit given back serves
+    # neither, so neither is listed; nor is a client's own.
+    assert waiting(first) == {None: ("limit", [20.0])}
+    assert waiting(second) == {None: ("limit", [11.0, 12.0])}
+    assert waiting(refused) == {None: ("limit", [11.0, 12.0, 20.0])}
+
+
+def test_items_a_group_ceiling_holds_back_are_listed_as_its_own(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(10, groups={"w": 2}))
+    first, second = sem.run_round(KEY, [
+        aged(request("a", [("w", 3, 10.0), (None, 2, 40.0)]), [10.0, 11.0, 12.0], [40.0, 41.0]),
+        aged(request("b", [("w", 2, 20.0)]), [20.0, 21.0]),
+    ], now=T0)
+    assert waiting(first) == {"w": ("group_limit", [20.0, 21.0])}
+    assert waiting(second) == {"w": ("group_limit", [12.0])}
+
+
 def test_uncontended_round_grants_everything(make_semaphore: Any) -> None:
     sem = make_semaphore(Limits(10))
     (reply,) = sem.run_round(KEY, [request("a", [("w", 3, 1.0), (None, 2, 2.0)])], now=T0)
     assert granted(reply) == 5 and not reply["contended"] and reply["blocked"] == []
+    assert "waiting" not in reply
     assert {g["group"] for g in reply["grants"]} == {"w", None}
     assert reply["next_request_at"] == T0 + 2.0 and reply["round_at"] == T0
     assert all(g["claim_deadline"] == T0 + 10.0 for g in reply["grants"])
