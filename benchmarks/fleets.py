@@ -1,4 +1,4 @@
-# Whether the budget stays busy in deployments people run: three fleets of real
+# Whether the budget stays busy in deployments people run: fleets of real
 # workers, each running the same published burst as plain Celery and as admitted
 # tasks on the same worker processes in the same run, the variants taking turns
 # pass by pass so the machine's drift hits them alike.
@@ -6,7 +6,8 @@
 #       limits add up to 20;
 #   (b) limit-bound: the same workers, 4 keys whose limits add up to 6;
 #   (c) the README Quickstart: two prefork workers at this machine's default
-#       concurrency (2), 3 accounts and a workflow with a ceiling of 1.
+#       concurrency (2), 3 accounts and a workflow with a ceiling of 1;
+#   (e) backlog: the workers of (a), one key of limit 1 with a deep backlog.
 # Rule: every figure comes from the ledger the tasks write (start, end, publish
 # time, key, group, worker), never from the library's counters; only the settle
 # time reads `usage`, since the counters coming back to 0 is what it measures.
@@ -92,6 +93,10 @@ DEPLOYMENTS = (
                MIXED, (1, 1, 2, 2), 96, (0.1, 0.3, 1.0)),
     Deployment("quickstart", "(c) 2 x prefork x 2, accounts 1,2,3, workflow ceiling 1",
                QUICKSTART, (1, 2, 3), 60, (0.5,), workflow=1),
+    # Both workers hold part of one key's deep backlog: how far from oldest first a
+    # chain on one worker keeps the other's older tasks (see "behind").
+    Deployment("backlog", "(e) prefork x 4 + threads x 8, one key of limit 1",
+               MIXED, (1,), 100, (0.1,)),
 )
 
 
