@@ -253,7 +253,7 @@ def _fleet_verdict(f: dict[str, Any]) -> str:
 def fleet_lines(rows: list[dict[str, Any]]) -> list[str]:
     passes = max((r["pass"] for r in rows), default=0) + 1
     t = FLEET_TARGETS
-    lines = ["5. Fleets: does the budget stay busy? Each deployment's burst is published at once",
+    lines = ["6. Fleets: does the budget stay busy? Each deployment's burst is published at once",
              "   and run as plain Celery and as admitted tasks (default settings; grants only,",
              f"   and with leases) on the same workers, the order flipping each pass ({passes}).",
              "   efficiency = ideal / makespan (first publish to last end), median (range);",
