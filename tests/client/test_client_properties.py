@@ -5,7 +5,9 @@
 # admits an item twice, never uses more permits of a grant or lease than the
 # holder issued, never claims inside the claim margin, never draws from a lease
 # the holder already holds a final count for or dropped (unacknowledged), nor
-# from an unacknowledged one inside the margin, and its held()/running() match.
+# from an unacknowledged one inside the margin, never reports more released than
+# claimed or drawn, and its held()/running() match. The handoff variant also ends
+# chains whose turn ran out while a reply lists other workers' older items.
 # due() passes by the keys it found quiet: after every step, a copy that looks at
 # every key must find the same keys due and leave the same reports.
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hypothesis.stateful import (
 )
 
 from durability_celery.client import SemaphoreClient
+from durability_celery.client.permits import HANDOFF_TURN
 from durability_celery.wire.request import parse_request
 
 from .helpers import SEM, FakeClock
@@ -85,11 +88,15 @@ class FakeHolder:
         for report in message["grants"]:
             g = self.grants.get(report["grant_id"])
             if g is not None:
+                assert report["released"] <= report["claimed"] <= g.issued, (
+                    "reported more released than claimed, or claimed than issued")
                 g.claimed = max(g.claimed, min(report["claimed"], g.permits))
                 g.released = max(g.released, min(report["released"], g.claimed))
         for report in message["leases"]:
             le = self.leases.get(report["lease_id"])
             if le is not None:
+                assert report["released"] <= report["drawn"] <= le.permits, (
+                    "reported more released than drawn, or drawn than issued")
                 ceiling = le.drawn if le.confirmed else le.permits
                 le.drawn = max(le.drawn, min(report["drawn"], ceiling))
                 le.released = max(le.released, min(report["released"], le.drawn))
@@ -411,10 +418,26 @@ class HandoffMachine(ClientMachine):
         "handoff_window": 30.0, "handoff_linger": 1.0, "lease_idle": 3.0,
         "supersede_after": 0.5, "capacity": 3}
 
+    @precondition(lambda self: self.running and self.queued)
+    @rule(data=st.data())
+    def take_turns(self, data: st.DataObject) -> None:
+        """A chain's turn runs out: a reply lists other workers' older items, a turn's
+        time passes, and items with successors queued end, so grant permits go back
+        between passes."""
+        self.roundtrip(data, urgency="waiting")
+        self.advance(HANDOFF_TURN)
+        self.roundtrip(data, urgency="waiting")
+        self.admit(None)  # fresh grants go to queued items, as the gate's loop does
+        for item in sorted(self.running):
+            if self.running[item] in self.queued.values():
+                self.end(item)
+
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def pass_on(self, data: st.DataObject) -> None:
-        item = data.draw(st.sampled_from(sorted(self.running)))
+        self.end(data.draw(st.sampled_from(sorted(self.running))))
+
+    def end(self, item: str) -> None:
         key, group = self.running.pop(item)
         successor = self.client.pass_on(item)
         if successor is not None:
