@@ -3,9 +3,11 @@
 # starts the next held task of its key at once, so a backlog drains in a few
 # rounds; with handoff_window=0 every task's permit goes back to the holder (the
 # spec's one-shot permits). Either way the independent ledger shows the limit
-# held, every task ran once, and the holder's usage went back to zero.
+# held, every task ran once, and the holder's usage went back to zero. A chain
+# takes turns with older tasks another worker holds.
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 import redis
 
 from durability_celery.blocking import BlockingClient
+from durability_celery.client.permits import HANDOFF_TURN
 from tests.worker.conftest import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -115,3 +118,34 @@ def test_a_solo_chain_lets_celery_ack_the_tasks_it_has_run(
     cluster.drained(ids, "ck", timeout=30)
     assert cluster.max_running("ck") == 1
     assert seen[-1][1] <= len(ids) - 4, seen
+
+
+def test_a_chain_takes_turns_with_an_older_task_on_another_worker(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    # Worker A chains through a backlog of one key of limit 1 (the default handoff
+    # window); worker B holds a task published before most of that backlog. A's replies
+    # list B's older task, so A gives its permit back after a turn instead of chaining
+    # to the backlog's end, and B's task starts within about round_period + a turn.
+    cluster = cluster_factory(limits={"turns": 1}, round_period=2.0)
+    queue_a, queue_b = (f"{cluster.config['task_queue']}.{n}" for n in ("a", "b"))
+    cluster.start(clients=1, concurrency=2, extra=("-Q", queue_a))
+    cluster.start(holder=False, clients=1, concurrency=2, extra=("-Q", queue_b))
+
+    def publish(queue: str) -> str:
+        kwargs = {"account": "turns", "group": None, "work": 0.1}
+        return str(cluster.admitted.apply_async(kwargs=kwargs, queue=queue).id)
+
+    head = publish(queue_a)
+    cluster.wait_for("A's chain to start", lambda: head in cluster.starts(), timeout=20)
+    published = time.monotonic()
+    older = publish(queue_b)
+    backlog = [publish(queue_a) for _ in range(150)]  # about 15 s of chain on A
+    cluster.wait_for("B's older task to start", lambda: older in cluster.starts(),
+                     timeout=2.0 + HANDOFF_TURN + 6.0,
+                     context=lambda: str(cluster.inspect_held()))
+    waited = time.monotonic() - published
+    started = cluster.starts()
+    ahead = sum(1 for task in backlog if task in started)
+    assert ahead < len(backlog) // 2, f"{ahead} younger tasks ran first ({waited:.1f} s)"
+    cluster.drained([head, older, *backlog], "turns", timeout=60)
+    assert cluster.max_running("turns") == 1
