@@ -195,6 +195,19 @@ def test_bad_variable_stops_celery_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr + done.stdout
 
 
+@pytest.mark.parametrize(("spec", "problem"), [
+    ("abc", "'abc' is not N or N-M"),
+    ("0-99", "'0-99' is outside 0-15 (DurabilitySettings.shards=16)")])
+def test_bad_shard_list_stops_the_holder_with_one_line(tmp_path: Path, spec: str,
+                                                       problem: str) -> None:
+    done = run_celery(["worker", "--durability-holder", f"--durability-shards={spec}"], {},
+                      tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"Error: Invalid value for '--durability-shards': {problem}")
+    assert "Traceback" not in done.stderr + done.stdout
+
+
 # --------------------------------------------------------------------------
 # the three roles for real
 

@@ -136,8 +136,9 @@ def _add_holder(commands: Any) -> None:
         "holder", help="start a holder worker (runs celery ... worker --durability-holder)")
     holder.add_argument("-A", "--app", metavar="MODULE", default="worker_config",
                         help="your Celery module (default: worker_config)")
-    holder.add_argument("--shards", metavar="SHARDS",
-                        help="holder shards to serve, e.g. 0-7 (default: all)")
+    holder.add_argument("--shards", "--durability-shards", metavar="SHARDS",
+                        help="holder shards to serve, e.g. 0-7 (default: all); the worker's "
+                             "--durability-shards")
     holder.add_argument("--print", dest="print_only", action="store_true",
                         help="print the celery command instead of running it")
     holder.add_argument("celery_args", nargs=argparse.REMAINDER,

@@ -137,10 +137,10 @@ def parse_shards(spec: str | None, shards: int) -> list[int] | None:
         try:
             first, last = int(low), int(high) if high else int(low)
         except ValueError:
-            raise ValueError(f"--durability-shards: {part.strip()!r} is not N or N-M") from None
+            raise ValueError(f"{part.strip()!r} is not N or N-M") from None
         if not 0 <= first <= last < shards:
             raise ValueError(
-                f"--durability-shards: {part.strip()!r} is outside 0-{shards - 1} "
+                f"{part.strip()!r} is outside 0-{shards - 1} "
                 f"(DurabilitySettings.shards={shards})"
             )
         chosen.update(range(first, last + 1))

@@ -34,7 +34,7 @@ class HolderStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is un
             try:
                 self.shards = parse_shards(durability_shards, self.durability.settings.shards)
             except ValueError as exc:
-                raise ConfigurationError(str(exc)) from None
+                raise ConfigurationError(f"--durability-shards: {exc}") from None
 
     def create(self, parent: Any) -> HolderStep:
         return self
@@ -64,6 +64,21 @@ def add_worker_options(app: Any) -> None:
         help="Run the durability holder in this worker (consumes the holder shard queues).",
     ))
     options.add(click.Option(
-        ["--durability-shards"], default=None, metavar="SHARDS",
+        ["--durability-shards"], default=None, metavar="SHARDS", callback=_check_shards,
         help="Holder shards to serve, e.g. 0-7,9 (default: all).",
     ))
+
+
+def _check_shards(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A bad shard list stops the worker with click's one-line usage error, before the
+    worker starts (the step checks again, for a worker built without this command line)."""
+    app = getattr(ctx.obj, "app", None)  # celery's CLIContext
+    try:
+        shards = configuration_for(app).settings.shards
+    except ConfigurationError:
+        return value  # no Durability on this app: the step says so if it runs a holder
+    try:
+        parse_shards(value, shards)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
