@@ -49,6 +49,20 @@ def reason_of(facts: dict[str, Any]) -> str:
     return "queued"
 
 
+def since_reply(reason: str, limit: int | None, in_use: int, group_limit: int | None,
+                group_in_use: int) -> str:
+    """What changed since the reply a blocked reason comes from: the holder's usage, read
+    now, may already show room that its next round hands out."""
+    if reason == "limit" and limit is not None and in_use < limit:
+        free = limit - in_use
+    elif reason == "group_limit" and group_limit is not None and group_in_use < group_limit:
+        free = group_limit - group_in_use
+    else:
+        return ""
+    return (f" (as of its worker's last reply: {free} permit(s) came back since, for the "
+            "next round to hand out)")
+
+
 def next_round_in(last_round_at: float | None, round_period: float, round_wait: float,
                   now: float) -> float | None:
     """Seconds until the round a blocked key's parked requests wait for at the latest:
@@ -116,16 +130,19 @@ def held_report(deployment: Deployment, task_id: str, found: Found) -> dict[str,
     reason = reason_of(facts)
     groups = {g.group: g for g in usage.groups}
     mine = groups.get(group)
+    group_in_use = mine.outstanding + mine.lease_footprint if mine else 0
+    since = since_reply(reason, usage.limit, usage.in_use, mine.limit if mine else None,
+                        group_in_use)
     return {
         "task_id": task_id, "state": "held", "worker": found.node,
         "semaphore": semaphore, "key": key, "group": group,
-        "reason": reason, "explanation": EXPLAIN[reason], "error": facts.get("error"),
+        "reason": reason, "explanation": EXPLAIN[reason] + since, "error": facts.get("error"),
         "held_for": facts.get("held_for"), "waited": round(now - facts["enqueued_at"], 3),
         "ahead": ahead(deployment, facts),
         "limit": usage.limit, "in_use": usage.in_use, "grants": usage.grants,
         "leases": usage.leases,
         "group_limit": mine.limit if mine else None,
-        "group_in_use": mine.outstanding + mine.lease_footprint if mine else 0,
+        "group_in_use": group_in_use,
         "holder_blocked": [b.to_dict() for b in usage.blocked],
         "free_slots": facts.get("free_slots"), "waiting_for_reply": facts.get("waiting_for_reply"),
         "last_round_ago": None if state.last_round_at is None

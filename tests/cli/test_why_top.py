@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from support import redis_db_url
 
-from durability_celery.cli.why import next_round_in, reason_of
+from durability_celery.cli.why import next_round_in, reason_of, since_reply
 from tests.cli import test_commands as cli_area
 from tests.worker import conftest as worker_area
 from tests.worker.conftest import Cluster
@@ -140,6 +140,16 @@ def test_the_reason_a_held_task_gives() -> None:
     assert reason_of({**full, "blocked": None, "error": None, "free_slots": 1}) == (
         "waiting_for_reply")
     assert reason_of({"free_slots": 1, "waiting_for_reply": None}) == "queued"
+
+
+def test_a_blocked_reason_says_when_permits_came_back_since_the_reply() -> None:
+    # The reason is the worker's last reply; the usage is read now.
+    assert since_reply("limit", 10, 10, None, 0) == ""
+    assert "4 permit(s) came back since" in since_reply("limit", 10, 6, 3, 3)
+    assert since_reply("group_limit", 10, 6, 3, 3) == ""
+    assert "1 permit(s) came back since" in since_reply("group_limit", 10, 10, 3, 2)
+    assert since_reply("limit", None, 0, None, 0) == ""
+    assert since_reply("pool_full", 10, 0, None, 0) == ""
 
 
 def test_next_round_is_at_the_latest_a_period_and_a_gathering_moment_after_the_last() -> None:
