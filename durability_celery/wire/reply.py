@@ -302,6 +302,13 @@ def _waiting(raw: Mapping[str, Any], where: str) -> Waiting:
     )
 
 
+def _waiting_list(raw: Mapping[str, Any]) -> tuple[Waiting, ...]:
+    waiting = tuple(_waiting(w, f"waiting[{i}].") for i, w in enumerate(_list(raw, "waiting")))
+    if len({w.group for w in waiting}) < len(waiting):
+        raise InvalidMessage("waiting", "lists a group twice")
+    return waiting
+
+
 def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
     """Validate a holder reply for (semaphore, key); raises InvalidMessage naming the field."""
     if not isinstance(raw, Mapping):
@@ -327,7 +334,7 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
         grants=tuple(_grant(g, f"grants[{i}].") for i, g in enumerate(_list(raw, "grants"))),
         leases=tuple(_lease(le, f"leases[{i}].") for i, le in enumerate(_list(raw, "leases"))),
         blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),
-        waiting=tuple(_waiting(w, f"waiting[{i}].") for i, w in enumerate(_list(raw, "waiting"))),
+        waiting=_waiting_list(raw),
     )
 
 

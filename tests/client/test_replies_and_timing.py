@@ -204,6 +204,18 @@ def test_a_reply_with_a_malformed_waiting_entry_changes_nothing(
     assert field in (client.last_error(KEY) or "")
 
 
+def test_a_reply_listing_a_group_twice_in_waiting_changes_nothing() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    entry = {"group": None, "reason": "limit", "queued_at": [0.5]}
+    client.on_response(KEY, reply(clock.now, waiting=[entry, entry],
+                                  grants=[grant("g1", permits=1, claim_deadline=clock.now + 10)]))
+    assert client.admit() == [], "the grant beside it is not taken either"
+    assert "waiting: lists a group twice" in (client.last_error(KEY) or "")
+
+
 def test_heartbeat_at_half_the_lease_lifetime_while_permits_are_in_use() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, ttl=100.0)
