@@ -25,7 +25,6 @@ waits with: going back at every task end for strict order would cost short tasks
 trip to the holder each, so workers take turns of at least this long."""
 
 
-
 class Permit(NamedTuple):
     """The permit an admitted item runs under.
 

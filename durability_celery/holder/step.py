@@ -72,6 +72,8 @@ def add_worker_options(app: Any) -> None:
 def _check_shards(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A bad shard list stops the worker with click's one-line usage error, before the
     worker starts (the step checks again, for a worker built without this command line)."""
+    if value is None:
+        return None  # every shard: nothing to check, and no need to look at the app
     app = getattr(ctx.obj, "app", None)  # celery's CLIContext
     try:
         shards = configuration_for(app).settings.shards
