@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ from ..semaphore import DurabilitySemaphore
 
 if TYPE_CHECKING:
     from worker_config.env import WorkerConfig
+
+    from ..settings import DurabilitySettings
 
 
 def describe_error(exc: BaseException) -> str | None:
@@ -54,6 +57,8 @@ def _broker_error(exc: BaseException) -> str | None:
 
 def _import_app(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
+    if not module_name or module_name.startswith("."):
+        raise ConfigurationError(f"--app {spec!r}: give a module name (module or module:attr)")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `celery -A`: your module lives where you are
     try:
@@ -69,6 +74,7 @@ def _import_app(spec: str) -> Any:
 @contextmanager
 def semaphores_from(args: argparse.Namespace) -> Iterator[dict[str, DurabilitySemaphore]]:
     """The configured semaphores; those built here are closed afterwards."""
+    _one_source(args)
     if getattr(args, "app", None):
         from ..app import durability_for
 
@@ -77,23 +83,40 @@ def semaphores_from(args: argparse.Namespace) -> Iterator[dict[str, DurabilitySe
     from worker_config.env import build_semaphore
 
     config = _env_config(args)
-    built: dict[str, DurabilitySemaphore] = {
-        spec.name: build_semaphore(spec, config.database_url) for spec in config.semaphores
-    }
+    built: dict[str, DurabilitySemaphore] = {}
     try:
+        for spec in config.semaphores:
+            try:
+                built[spec.name] = build_semaphore(spec, config.database_url)
+            except ConfigurationError as exc:
+                raise ConfigurationError(
+                    f"DURABILITY_SEMAPHORES: semaphore {spec.name!r}: {exc}") from None
         yield built
     finally:
         for sem in built.values():
             sem.close()
 
 
-def database_url_of(args: argparse.Namespace) -> str:
+def _one_source(args: argparse.Namespace) -> None:
+    """--app brings its own databases: a --database beside it would be ignored, and a
+    command such as `migrate --drop` would then act on a database the user did not type."""
+    if getattr(args, "app", None) and getattr(args, "database", None):
+        raise ConfigurationError("--database and --app: give one (the app names its own "
+                                 "databases)")
+
+
+def database_urls_of(args: argparse.Namespace) -> list[str]:
+    """The databases the command acts on: each distinct one of the app's semaphores, or
+    the one of --database / DURABILITY_DATABASE_URL."""
+    _one_source(args)
     if getattr(args, "app", None):
         with semaphores_from(args) as sems:
             if not sems:
                 raise ConfigurationError(f"--app {args.app!r} configures no semaphores")
-            return next(iter(sems.values())).engine.url.render_as_string(hide_password=False)
-    return _env_config(args).database_url
+            return list(dict.fromkeys(
+                sem.engine.url.render_as_string(hide_password=False)
+                for sem in sems.values()))
+    return [_env_config(args).database_url]
 
 
 def database_source(args: argparse.Namespace) -> str:
@@ -128,12 +151,12 @@ def _env_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def migrate_command(args: argparse.Namespace) -> int:
-    url = database_url_of(args)
-    path = _sqlite_path(url)
-    if path is not None and not args.drop:
-        path.parent.mkdir(parents=True, exist_ok=True)  # the embedded default's folder
-    outcome = DurabilitySemaphore.migrate(url, None if args.drop else _latest())
-    print(_MIGRATED[outcome].format(url=_hide_password(url), version=_latest()))
+    for url in database_urls_of(args):
+        path = _sqlite_path(url)
+        if path is not None and not args.drop:
+            path.parent.mkdir(parents=True, exist_ok=True)  # the embedded default's folder
+        outcome = DurabilitySemaphore.migrate(url, None if args.drop else _latest())
+        print(_MIGRATED[outcome].format(url=_hide_password(url), version=_latest()))
     return 0
 
 
@@ -224,8 +247,18 @@ def _require_schema(sem: DurabilitySemaphore) -> None:
 def prune_command(args: argparse.Namespace) -> int:
     with semaphores_from(args) as sems:
         chosen = [_known(sems, name) for name in args.semaphores or sorted(sems)]
+        if not chosen:
+            raise ConfigurationError("no semaphore to prune (set DURABILITY_SEMAPHORES or "
+                                     "use --app)")
+        # Every check before the first delete: a refusal changes nothing.
         for sem in chosen:
+            floor = sem.config.round_period
+            if not math.isfinite(args.idle_for) or args.idle_for < floor:
+                raise ConfigurationError(
+                    f"--idle-for must be seconds >= {sem.name}'s round_period ({floor:g}), "
+                    f"got {args.idle_for:g}")
             _require_schema(sem)
+        for sem in chosen:
             count = sem.prune(idle_for=args.idle_for)
             print(f"{sem.name}: {count} idle key row(s) pruned")
     return 0
@@ -245,6 +278,7 @@ def holder_command(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "celery", "-A", args.app, "worker", "--durability-holder",
            "-Q", control_queue(prefix), "--concurrency", "1"]
     if args.shards:
+        _check_shards(args.app, args.shards)
         cmd += ["--durability-shards", args.shards]
     cmd += extra
     if args.print_only:
@@ -255,11 +289,26 @@ def holder_command(args: argparse.Namespace) -> int:
     return 0  # pragma: no cover - exec does not return
 
 
+def _check_shards(app_spec: str, spec: str) -> None:
+    """The worker would refuse a bad range at start; refused here, `--print` never shows
+    a command that cannot run."""
+    from ..holder.service import parse_shards
+
+    try:
+        parse_shards(spec, _settings_of(app_spec).shards)
+    except ValueError as exc:
+        raise ConfigurationError(f"--shards: {exc}") from None
+
+
 def _queue_prefix(app_spec: str) -> str:
+    return _settings_of(app_spec).queue_prefix
+
+
+def _settings_of(app_spec: str) -> DurabilitySettings:
     if app_spec.partition(":")[0] == "worker_config":
         from worker_config.env import load_config
 
-        return load_config(dict(os.environ)).settings.queue_prefix
+        return load_config(dict(os.environ)).settings
     from ..app import durability_for
 
-    return durability_for(_import_app(app_spec)).settings.queue_prefix
+    return durability_for(_import_app(app_spec)).settings

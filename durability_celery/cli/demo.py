@@ -153,12 +153,13 @@ def _prepare(run: DemoRun) -> tuple[Any, Any]:
 
     app = worker_config.app
     sem = worker_config.durability.semaphore(run.semaphore)
-    sem.migrate()
+    # The broker first: a demo that cannot run leaves no schema behind.
     try:
         with app.connection_for_write() as connection:
             connection.ensure_connection(max_retries=1, timeout=5)
     except Exception as exc:
         raise ConfigurationError(f"broker unreachable ({run.broker_url}): {exc}") from None
+    sem.migrate()
     return app, sem
 
 

@@ -24,7 +24,8 @@ def _add_source_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--database", metavar="URL",
-        help="database URL (overrides DURABILITY_DATABASE_URL; ignored with --app)",
+        help="database URL (overrides DURABILITY_DATABASE_URL; not with --app, whose "
+        "semaphores name their own)",
     )
 
 
@@ -44,6 +45,16 @@ def _seconds(raw: str) -> float:
         value = -1.0
     if not 0 < value <= 60:
         raise argparse.ArgumentTypeError(f"must be seconds between 0 and 60, got {raw!r}")
+    return value
+
+
+def _demo_timeout(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be seconds between 0 and 86400, got {raw!r}")
     return value
 
 
@@ -89,7 +100,7 @@ def _add_demo(commands: Any) -> None:
                       help="grants only: every task start waits for a round trip to the holder")
     demo.add_argument("--home", metavar="DIR",
                       help="folder for the demo's files (default: a new temporary folder)")
-    demo.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS",
+    demo.add_argument("--timeout", type=_demo_timeout, default=240.0, metavar="SECONDS",
                       help="give up waiting for tasks after this long (default 240)")
     demo.add_argument("--json", action="store_true", help="print the verdict as JSON")
     demo.add_argument("--snapshot-svg", metavar="PATH", help=argparse.SUPPRESS)

@@ -133,9 +133,9 @@ def parse_shards(spec: str | None, shards: int) -> list[int] | None:
         return None
     chosen: set[int] = set()
     for part in spec.split(","):
-        low, _, high = part.strip().partition("-")
+        low, dash, high = part.strip().partition("-")
         try:
-            first, last = int(low), int(high) if high else int(low)
+            first, last = int(low), int(high) if dash else int(low)
         except ValueError:
             raise ValueError(f"{part.strip()!r} is not N or N-M") from None
         if not 0 <= first <= last < shards:

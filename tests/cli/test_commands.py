@@ -132,6 +132,16 @@ def test_prune_deletes_idle_keys_and_refuses_bad_input(cli: Any, database_url: s
     env = {"DURABILITY_SEMAPHORES": SEMAPHORES, "DURABILITY_DATABASE_URL": database_url}
     one_line_error(cli("prune", "--idle-for", "0.5", env=env), "round_period")
     one_line_error(cli("prune", "nope", "--idle-for", "3600", env=env), "unknown semaphore")
+    one_line_error(cli("prune", "--idle-for", "3600",
+                       env={"DURABILITY_DATABASE_URL": database_url}), "no semaphore to prune")
+    # Refused for one semaphore, pruned in none: every check comes before the first delete
+    # ("accounts" sorts first and would accept 10 s).
+    slow = json.dumps({"accounts": 9, "zzz": {"limit": 1, "round_period": 60}})
+    one_line_error(cli("prune", "--idle-for", "10",
+                       env={**env, "DURABILITY_SEMAPHORES": slow}), "zzz's round_period (60)")
+    kept = DurabilitySemaphore("accounts", database=database_url, limit=9)
+    assert sorted(kept.keys()) == ["busy", "done"]
+    kept.close()
     done = cli("prune", "--idle-for", "3600", env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "accounts: 1 idle key row(s) pruned"
@@ -153,6 +163,30 @@ def test_usage_with_app_module(cli: Any, database_url: str, tmp_path: Path) -> N
     sys.modules.pop(module, None)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["limit"] == 5
+
+
+def test_migrate_with_an_app_creates_every_semaphores_database(cli: Any,
+                                                                 tmp_path: Path) -> None:
+    module = f"twodb_{os.urandom(4).hex()}"
+    first, second = (f"sqlite:///{tmp_path / name}.db" for name in ("a", "b"))
+    (tmp_path / f"{module}.py").write_text(
+        "from celery import Celery\n"
+        "from durability_celery.app import Durability\n"
+        "from durability_celery.semaphore import DurabilitySemaphore\n"
+        "app = Celery('twodb')\n"
+        f"Durability(app, [DurabilitySemaphore('a', database={first!r}, limit=1),\n"
+        f"                 DurabilitySemaphore('b', database={second!r}, limit=1)])\n")
+    try:
+        one_line_error(cli("migrate", "--app", module, "--database", "sqlite:///x.db",
+                           cwd=tmp_path), "--database and --app: give one")
+        assert not (tmp_path / "a.db").exists() and not (tmp_path / "x.db").exists()
+        done = cli("migrate", "--app", module, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert len(done.stdout.strip().splitlines()) == 2, done.stdout
+        for url in (first, second):
+            assert "durability_semaphore_grants" in tables(url)
+    finally:
+        sys.modules.pop(module, None)
 
 
 def test_unknown_semaphore(cli: Any, sqlite_url: str) -> None:
@@ -181,7 +215,15 @@ def test_database_without_schema(cli: Any, database_url: str, tmp_path: Path) ->
 def test_bad_configuration_is_one_line(cli: Any) -> None:
     one_line_error(cli("usage", "a", "k", env={"DURABILITY_SEMAPHORES": "a=x"}),
                    "DURABILITY_SEMAPHORES")
+    one_line_error(cli("usage", "a", "k", env={"DURABILITY_SEMAPHORES": '{"a": 1, "a": 2}'}),
+                   "DURABILITY_SEMAPHORES: 'a' is given twice")
+    one_line_error(cli("usage", "a", "k", env={
+        "DURABILITY_SEMAPHORES": '{"a": {"limit": 1, "grant_timeout": 0}}'}),
+        "DURABILITY_SEMAPHORES: semaphore 'a': grant_timeout must be")
     one_line_error(cli("usage", "a", "k", "--app", "no_such_module_xyz"), "cannot import")
+    for spec in (":app", ".relative"):
+        one_line_error(cli("usage", "a", "k", "--app", spec), "give a module name")
+    one_line_error(cli("usage", "a", "k", "--app", "os:name"), "no Durability configuration")
 
 
 def test_a_bad_database_url_names_where_it_was_typed(cli: Any) -> None:
@@ -206,6 +248,7 @@ def test_demo_with_unreachable_broker(cli: Any, tmp_path: Path) -> None:
                "--home", str(tmp_path / "demo"))
     one_line_error(done, "broker unreachable")
     assert not (tmp_path / "demo" / "logs" / "holder.log").exists()  # nothing was started
+    assert not (tmp_path / "demo" / "demo.db").exists()  # nor any schema created
 
 
 def test_holder_prints_the_exact_command(cli: Any) -> None:
@@ -215,6 +258,9 @@ def test_holder_prints_the_exact_command(cli: Any) -> None:
     assert done.stdout.strip() == (
         "celery -A worker_config worker --durability-holder -Q acme.holder.control "
         "--concurrency 1 --durability-shards 0-3 --loglevel INFO")
+    for shards, problem in (("abc", "'abc' is not N or N-M"), ("0-", "'0-' is not N or N-M"),
+                            ("99", "'99' is outside 0-15")):
+        one_line_error(cli("holder", "--print", "--shards", shards), f"--shards: {problem}")
 
 
 @pytest.mark.integration
