@@ -207,6 +207,16 @@ def _convert(name: str, raw: str, field_type: Any) -> object:
 # DURABILITY_SEMAPHORES
 
 
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object naming one field twice: json.loads would keep the last silently."""
+    data: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in data:
+            raise EnvError("DURABILITY_SEMAPHORES", f"{name!r} is given twice")
+        data[name] = value
+    return data
+
+
 def parse_semaphores(raw: str) -> tuple[SemaphoreSpec, ...]:
     """`accounts=10,exports=3` (a limit per key), or a JSON object (see docs/configuration.md)."""
     text = raw.strip()
@@ -214,7 +224,7 @@ def parse_semaphores(raw: str) -> tuple[SemaphoreSpec, ...]:
         return ()
     if text.startswith("{"):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_names)
         except json.JSONDecodeError as exc:
             raise EnvError("DURABILITY_SEMAPHORES", f"invalid JSON: {exc}") from None
         if not isinstance(data, dict):
