@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
+from celery import Celery
+
 from .client import SemaphoreClient
 from .compat import check_versions
 from .core.config import gathering_moment
@@ -29,6 +31,8 @@ class Durability:
         settings: DurabilitySettings | None = None,
     ) -> None:
         check_versions()  # an unsupported celery or kombu stops start-up with one line
+        if not isinstance(app, Celery):
+            raise ConfigurationError(f"app must be a Celery app, got {app!r}")
         if is_configured(app):
             raise ConfigurationError("this Celery app already has a Durability configuration")
         self.app = app

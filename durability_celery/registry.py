@@ -50,14 +50,17 @@ def register(app: Any, configuration: Configuration) -> None:
 
 
 def is_configured(app: Any) -> bool:
-    return app in _REGISTRY
+    try:
+        return app in _REGISTRY
+    except TypeError:  # not weakly referable: no Celery app, so none is bound to it
+        return False
 
 
 def configuration_for(app: Any) -> Configuration:
     """The configuration bound to `app` (ConfigurationError if none)."""
     try:
         return _REGISTRY[app]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ConfigurationError(
             "this Celery app has no Durability configuration: create "
             "Durability(app, [semaphores...]) in the module that defines the app"

@@ -17,6 +17,12 @@ def _check_range(name: str, value: object, low: float, high: float) -> None:
         raise ConfigurationError(f"{name} must be between {low} and {high}, got {value}")
 
 
+def _check_count(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"{name} must be an int, got {value!r}")
+    _check_range(name, value, low, high)
+
+
 @dataclass(frozen=True)
 class DurabilitySettings:
     """How the holder, the client workers and beat talk to each other."""
@@ -69,9 +75,7 @@ class DurabilitySettings:
         return {"x-queue-type": "quorum"} if self.shard_queue_type == "quorum" else None
 
     def __post_init__(self) -> None:
-        _check_range("shards", self.shards, 1, 4096)
-        if not isinstance(self.shards, int):
-            raise ConfigurationError("shards must be an int")
+        _check_count("shards", self.shards, 1, 4096)
         if not isinstance(self.queue_prefix, str) or not _PREFIX.match(self.queue_prefix):
             raise ConfigurationError("queue_prefix must match [A-Za-z0-9_.-]{1,60}")
         if self.shard_queue_type not in ("classic", "quorum"):
@@ -81,11 +85,11 @@ class DurabilitySettings:
         if self.claim_margin is not None:
             _check_range("claim_margin", self.claim_margin, 0, 3600)
         if self.max_held is not None:
-            _check_range("max_held", self.max_held, 1, 1_000_000)
+            _check_count("max_held", self.max_held, 1, 1_000_000)
         if self.hold_deadline is not None:
             _check_range("hold_deadline", self.hold_deadline, 1, 7 * 86400)
         _check_range("reply_expires", self.reply_expires, 1, 86400)
-        _check_range("round_threads", self.round_threads, 1, 256)
+        _check_count("round_threads", self.round_threads, 1, 256)
         _check_range("reclaim_interval", self.reclaim_interval, 0.1, 86400)
         if self.reconcile_after is not None:
             _check_range("reconcile_after", self.reconcile_after, 10, 30 * 86400)

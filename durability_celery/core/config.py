@@ -64,9 +64,11 @@ class Over:
         if self.extra is not None:
             _positive_int("Over.extra", self.extra, minimum=0)
         if self.ratio is not None:
-            ratio = validate_seconds("Over.ratio", self.ratio)
-            if ratio > 100:
-                raise ConfigurationError(f"Over.ratio must be between 0 and 100, got {self.ratio}")
+            ratio = self.ratio
+            if (isinstance(ratio, bool) or not isinstance(ratio, int | float)
+                    or not 0 <= ratio <= 100):
+                raise ConfigurationError(
+                    f"Over.ratio must be a number between 0 and 100, got {ratio!r}")
 
     def extra_for(self, limit: int) -> int:
         """Permits above `limit` that leases may use."""

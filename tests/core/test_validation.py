@@ -132,6 +132,7 @@ def test_another_clients_ids_are_rejected_and_change_nothing(make_semaphore: Any
         (lambda: Over(), "Over needs exactly one"),
         (lambda: Over(extra=1, ratio=0.5), "Over needs exactly one"),
         (lambda: Over(ratio=float("inf")), "Over.ratio"),
+        (lambda: Over(ratio=-0.5), "Over.ratio must be a number between 0 and 100"),
     ],
 )
 def test_bad_settings_fail_at_construction_naming_the_setting(build: Any, setting: str) -> None:
