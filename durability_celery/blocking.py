@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import time
 import uuid
@@ -16,7 +17,7 @@ from typing import Any
 from kombu.messaging import Consumer
 
 from .client import Permit
-from .errors import InfrastructureError, RequestTimeout
+from .errors import CallerError, InfrastructureError, RequestTimeout
 from .queues import holder_queue_declaration, reply_queue_declaration
 from .registry import configuration_of
 from .roundtrip import await_replies, publish_request
@@ -35,11 +36,14 @@ class BlockingClient:
     def __init__(self, app_or_durability: Any, semaphore_name: str, *,
                  client_id: str | None = None, timeout: float = 10.0,
                  clock: Callable[[], float] = time.time) -> None:
+        _check_timeout(timeout)
         durability = configuration_of(app_or_durability)
         settings = durability.settings
         self._durability = durability
         self.semaphore = semaphore_name
         self.timeout = float(timeout)
+        self._broker_failure: str | None = None
+        """The last broker error a request met, for the RequestTimeout it leads to."""
         self.client_id = client_id or f"{socket.gethostname()}/{uuid.uuid4().hex[:12]}"
         self._clock = clock
         self.client = durability.semaphore_client(
@@ -78,8 +82,10 @@ class BlockingClient:
         except Exception as exc:
             self.client.on_failure(key)
             self._disconnect()
+            self._broker_failure = f"{type(exc).__name__}: {exc}"
             raise InfrastructureError(f"broker failed during a request for {key!r}: {exc!r}") \
                 from exc
+        self._broker_failure = None
         self.client.on_response(key, reply)
         return reply
 
@@ -123,6 +129,7 @@ class BlockingClient:
 
     def acquire(self, key: str, group: str | None = None, *, timeout: float) -> Permit:
         """Wait until an item for (key, group) holds a permit; RequestTimeout after `timeout`."""
+        _check_timeout(timeout)
         deadline = time.monotonic() + timeout
         item_id = uuid.uuid4().hex
         self.client.enqueue(key, group, item_id, enqueued_at=self._clock())
@@ -134,6 +141,8 @@ class BlockingClient:
                     self.client.release(permit.item_id)  # not ours: cannot happen single-threaded
                 if time.monotonic() >= deadline:
                     reason = self.client.blocked_reason(key, group) or self.client.last_error(key)
+                    if self._broker_failure is not None:
+                        reason = f"{reason}; broker: {self._broker_failure}"
                     raise RequestTimeout(
                         f"no permit for {self.semaphore}/{key} group {group!r} within "
                         f"{timeout}s (last reason: {reason})")
@@ -209,7 +218,9 @@ class BlockingClient:
             return
         connection = self._durability.app.connection_for_write()
         try:
-            connection.ensure_connection(max_retries=2)
+            # Short retries: a caller's deadline bounds the wait, and the client's own
+            # backoff spaces the next attempt.
+            connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.2)
             channel = connection.channel()
             queue = reply_queue_declaration(self.reply_queue, expires=self._reply_expires)
             self._consumer = Consumer(  # type: ignore[no-untyped-call]
@@ -229,3 +240,9 @@ class BlockingClient:
         if connection is not None:
             with contextlib.suppress(Exception):
                 connection.release()
+
+
+def _check_timeout(timeout: object) -> None:
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise CallerError(f"timeout must be a number of seconds > 0, got {timeout!r}")

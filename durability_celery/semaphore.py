@@ -217,6 +217,8 @@ class DurabilitySemaphore:
         Each key's round is exactly its `run_round`. A database failure raises
         InfrastructureError and changes nothing; a key appears at most once.
         """
+        if not isinstance(batch, Sequence) or isinstance(batch, str | bytes):
+            raise CallerError(f"batch must be a sequence of (key, messages), got {batch!r}")
         at = self._now(now)
         results: list[list[dict[str, Any]] | Exception | None] = [None] * len(batch)
         todo: dict[str, tuple[int, Parsed, KeyLimits]] = {}
@@ -352,11 +354,10 @@ class DurabilitySemaphore:
         seconds, with the keys where they hold something. Silence alone proves nothing (a
         long task on a grant sends no reports): confirm a client is gone before forgetting it.
         """
-        at = self._now(now)
+        at = self._now(now) - _silence(silent_for)
         found: dict[str, list[str]] = {}
         with store.transaction(self._engine, write=False) as conn:
-            for client_id, key, _ in store.silent_clients(conn, self.name,
-                                                          before=at - silent_for):
+            for client_id, key, _ in store.silent_clients(conn, self.name, before=at):
                 found.setdefault(client_id, []).append(key)
         return found
 
@@ -368,15 +369,25 @@ class DurabilitySemaphore:
         (it came back since it was found silent) is left alone and None returned.
         """
         key = self._check_key(key)
+        if not isinstance(client_id, str) or not client_id:
+            raise CallerError(f"client_id must be a non-empty string, got {client_id!r}")
+        silence = _silence(silent_for)
         at = self._now(now)
         with store.transaction(self._engine, write=True) as conn:
             old = store.read(conn, self.name, key, lock=True)
             seen = {c.client_id: c.last_seen_at for c in old.clients} if old else {}
-            if old is None or client_id not in seen or seen[client_id] >= at - silent_for:
+            if old is None or client_id not in seen or seen[client_id] >= at - silence:
                 return None
             new, forgotten = forget_client(old, client_id)
             store.save(conn, old, with_lease_deadline(new, self._config), now=at)
         return forgotten
+
+
+def _silence(silent_for: object) -> float:
+    if (isinstance(silent_for, bool) or not isinstance(silent_for, int | float)
+            or not math.isfinite(silent_for) or silent_for < 0):
+        raise CallerError(f"silent_for must be a number of seconds >= 0, got {silent_for!r}")
+    return float(silent_for)
 
 
 _CONFORMS: type[store.Store] = DurabilitySemaphore  # mypy checks the contract here

@@ -11,13 +11,15 @@
 # permit it does not hold.
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CallerError, InvalidMessage
 from ..wire.error import ErrorReply
+from ..wire.fields import MAX_ID_LENGTH
 from ..wire.reply import parse_reply
 from ..wire.request import Request
 from .ledger import KeyLedger
@@ -71,11 +73,16 @@ class SemaphoreClient:
             raise CallerError("semaphore must be a non-empty string")
         if not isinstance(client_id, str) or not client_id:
             raise CallerError("client_id must be a non-empty string")
-        if (min(claim_margin, handoff_window, handoff_linger, lease_idle or 0.0,
-                supersede_after or 0.0, ask_early) < 0 or request_timeout <= 0):
-            raise CallerError("claim_margin, handoff_window, handoff_linger, lease_idle, "
-                              "supersede_after and ask_early must be >= 0 and "
-                              "request_timeout > 0")
+        for name, value in (("claim_margin", claim_margin), ("handoff_window", handoff_window),
+                            ("handoff_linger", handoff_linger), ("lease_idle", lease_idle),
+                            ("supersede_after", supersede_after), ("ask_early", ask_early),
+                            ("request_timeout", request_timeout)):
+            if value is None and name in ("lease_idle", "supersede_after"):
+                continue
+            positive = name == "request_timeout"
+            if not _finite(value) or value < 0 or (positive and value == 0):
+                raise CallerError(f"{name} must be a number of seconds "
+                                  f"{'> 0' if positive else '>= 0'}, got {value!r}")
         self.stopped = False
         self._clock = clock
         self._ledgers: dict[str, KeyLedger] = {}
@@ -137,7 +144,15 @@ class SemaphoreClient:
         """Queue an item for a permit; False (no change) if it is already queued or admitted."""
         if item_id in self._queue.items or item_id in self._permits.admitted:
             return False
-        self._ledger(key)  # validates the key before anything changes
+        # Checked before anything changes: a bad group would make every later message of
+        # the key invalid, and a bad time could not be ordered.
+        if group is not None and (not isinstance(group, str) or not group
+                                  or len(group) > MAX_ID_LENGTH):
+            raise CallerError(f"group must be None or a non-empty string of at most "
+                              f"{MAX_ID_LENGTH} chars, got {group!r}")
+        if not _finite(enqueued_at):
+            raise CallerError(f"enqueued_at must be a number of seconds, got {enqueued_at!r}")
+        self._ledger(key)  # validates the key
         self._queue.add(key, group, item_id, float(enqueued_at))
         self._talk.quiet.pop(key, None)  # changed: the next due() looks at it again
         return True
@@ -404,3 +419,8 @@ class SemaphoreClient:
                 raise CallerError("key must be a non-empty string")
             ledger = self._ledgers[key] = KeyLedger()
         return ledger
+
+
+def _finite(value: object) -> TypeGuard[float]:
+    return (not isinstance(value, bool) and isinstance(value, int | float)
+            and math.isfinite(value))

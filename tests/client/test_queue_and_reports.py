@@ -267,3 +267,13 @@ def test_constructor_and_key_validation() -> None:
         make_client(FakeClock(), request_timeout=0)
     with pytest.raises(CallerError):
         make_client(FakeClock()).enqueue("", None, "t", enqueued_at=1.0)
+    for bad in ({"request_timeout": float("nan")}, {"claim_margin": "1"},
+                {"lease_idle": -1.0}):
+        with pytest.raises(CallerError, match=f"^{next(iter(bad))} must be a number"):
+            make_client(FakeClock(), **bad)
+    client = make_client(FakeClock())
+    with pytest.raises(CallerError, match=r"^group must be None or a non-empty string"):
+        client.enqueue(KEY, 5, "t", enqueued_at=1.0)  # type: ignore[arg-type]
+    with pytest.raises(CallerError, match=r"^enqueued_at must be a number"):
+        client.enqueue(KEY, None, "t", enqueued_at=float("nan"))
+    assert client.held() == {} and client.due() == []  # nothing changed

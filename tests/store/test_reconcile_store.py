@@ -9,11 +9,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "core"))
 
+import pytest
 import sqlalchemy as sa
 from core_harness import KEY, Limits, request, sync
 
 from durability_celery import DurabilitySemaphore, Leases, Strict
 from durability_celery.core.clients import SEEN_RESOLUTION
+from durability_celery.errors import CallerError
 
 T0 = 10_000.0
 
@@ -146,3 +148,19 @@ def test_a_round_that_updates_many_leases_writes_every_field(database_url: str) 
                                for c, lid in zip(clients, lease_ids, strict=True)], now=T0 + 2)
     assert all(r["leases"][0]["status"] == "settled" for r in done)
     assert sem.usage(KEY, now=T0 + 2).lease_footprint == 0
+
+
+def test_bad_arguments_are_refused_and_forget_nothing(database_url: str) -> None:
+    sem = semaphore(database_url)
+    hold(sem, "a", T0)
+    for silent_for in ("30", -5, float("nan")):
+        with pytest.raises(CallerError, match=r"^silent_for must be a number of seconds"):
+            sem.silent_clients(silent_for=silent_for, now=T0 + 60)  # type: ignore[arg-type]
+        with pytest.raises(CallerError, match=r"^silent_for must be a number of seconds"):
+            sem.forget_client(KEY, "a", silent_for=silent_for,  # type: ignore[arg-type]
+                              now=T0 + 60)
+    with pytest.raises(CallerError, match=r"^client_id must be a non-empty string"):
+        sem.forget_client(KEY, 5, silent_for=30, now=T0 + 60)  # type: ignore[arg-type]
+    with pytest.raises(CallerError, match=r"^batch must be a sequence"):
+        sem.run_rounds(None, now=T0 + 60)  # type: ignore[arg-type]
+    assert sem.usage(KEY, now=T0 + 60).leases == 1  # nothing was forgotten
