@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import DurabilityError
@@ -34,28 +34,22 @@ def _add_live_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-A", "--app", metavar="MODULE", default="worker_config",
                         help="your Celery module (module or module:attr; default: "
                         "worker_config)")
-    parser.add_argument("--timeout", type=_seconds, default=1.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=_seconds_up_to(60), default=1.0, metavar="SECONDS",
                         help="how long to wait for the workers' answers (default 1)")
 
 
-def _seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 60:
-        raise argparse.ArgumentTypeError(f"must be seconds between 0 and 60, got {raw!r}")
-    return value
-
-
-def _demo_timeout(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 86_400:
-        raise argparse.ArgumentTypeError(f"must be seconds between 0 and 86400, got {raw!r}")
-    return value
+def _seconds_up_to(high: float) -> Callable[[str], float]:
+    """An argparse type: seconds above 0, at most `high`."""
+    def seconds(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 < value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be seconds between 0 and {high:g}, got {raw!r}")
+        return value
+    return seconds
 
 
 def _version() -> str:
@@ -100,7 +94,7 @@ def _add_demo(commands: Any) -> None:
                       help="grants only: every task start waits for a round trip to the holder")
     demo.add_argument("--home", metavar="DIR",
                       help="folder for the demo's files (default: a new temporary folder)")
-    demo.add_argument("--timeout", type=_demo_timeout, default=240.0, metavar="SECONDS",
+    demo.add_argument("--timeout", type=_seconds_up_to(86_400), default=240.0, metavar="SECONDS",
                       help="give up waiting for tasks after this long (default 240)")
     demo.add_argument("--json", action="store_true", help="print the verdict as JSON")
     demo.add_argument("--snapshot-svg", metavar="PATH", help=argparse.SUPPRESS)

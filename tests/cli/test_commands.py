@@ -289,3 +289,12 @@ def test_help_and_entry_point(cli: Any) -> None:
     assert version.stdout.strip() == f"durability-celery {metadata.version('durability-celery')}"
     script = Path(sys.executable).parent / "durability-celery"
     assert script.exists(), "pip install -e . installs the durability-celery script"
+
+
+def test_a_timeout_out_of_range_is_a_usage_error() -> None:
+    for argv, problem in ((("demo", "--timeout", "-1"), "between 0 and 86400, got '-1'"),
+                          (("top", "--timeout", "99"), "between 0 and 60, got '99'")):
+        done = subprocess_cli(*argv)
+        assert done.returncode == 2, done
+        assert done.stderr.strip().splitlines()[-1].endswith(
+            f"error: argument --timeout: must be seconds {problem}"), done.stderr
