@@ -165,10 +165,10 @@ class Cluster:
         usage = self.semaphore.usage(key)
         return usage.outstanding == 0 and usage.lease_footprint == 0
 
-    def busy_worker(self, *, timeout: float = 20) -> Proc:
-        """Wait for a client worker that runs one admitted task and holds another, and
-        whose permits the holder has heard it use; returns its process (the victim of
-        the crash tests).
+    def busy_worker(self, *, running: int = 1, timeout: float = 20) -> Proc:
+        """Wait for a client worker that runs `running` admitted tasks or more and holds
+        another, and whose permits the holder has heard it use; returns its process (the
+        victim of the crash tests).
 
         Killed before its claims reach the holder, a worker's tasks die unheard of,
         and the holder rightly gives their permits out again at the claim deadline,
@@ -177,7 +177,8 @@ class Cluster:
 
         def one_worker_runs_and_holds() -> bool:
             for name, reply in self.inspect_held().items():
-                if (name.startswith("client") and reply["running"] >= 1 and reply["held"] >= 1
+                if (name.startswith("client") and reply["running"] >= running
+                        and reply["held"] >= 1
                         and self.permits_heard(name) >= reply["running"]):
                     victim[:] = [name]
                     return True
