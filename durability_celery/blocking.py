@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import socket
 import time
 import uuid
@@ -17,7 +16,8 @@ from typing import Any
 from kombu.messaging import Consumer
 
 from .client import Permit
-from .errors import CallerError, InfrastructureError, RequestTimeout
+from .core.config import check_caller_seconds
+from .errors import InfrastructureError, RequestTimeout
 from .queues import holder_queue_declaration, reply_queue_declaration
 from .registry import configuration_of
 from .roundtrip import await_replies, publish_request
@@ -36,7 +36,7 @@ class BlockingClient:
     def __init__(self, app_or_durability: Any, semaphore_name: str, *,
                  client_id: str | None = None, timeout: float = 10.0,
                  clock: Callable[[], float] = time.time) -> None:
-        _check_timeout(timeout)
+        check_caller_seconds("timeout", timeout, positive=True)
         durability = configuration_of(app_or_durability)
         settings = durability.settings
         self._durability = durability
@@ -129,7 +129,7 @@ class BlockingClient:
 
     def acquire(self, key: str, group: str | None = None, *, timeout: float) -> Permit:
         """Wait until an item for (key, group) holds a permit; RequestTimeout after `timeout`."""
-        _check_timeout(timeout)
+        check_caller_seconds("timeout", timeout, positive=True)
         deadline = time.monotonic() + timeout
         item_id = uuid.uuid4().hex
         self.client.enqueue(key, group, item_id, enqueued_at=self._clock())
@@ -240,9 +240,3 @@ class BlockingClient:
         if connection is not None:
             with contextlib.suppress(Exception):
                 connection.release()
-
-
-def _check_timeout(timeout: object) -> None:
-    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout) or timeout <= 0):
-        raise CallerError(f"timeout must be a number of seconds > 0, got {timeout!r}")

@@ -50,10 +50,7 @@ def register(app: Any, configuration: Configuration) -> None:
 
 
 def is_configured(app: Any) -> bool:
-    try:
-        return app in _REGISTRY
-    except TypeError:  # not weakly referable: no Celery app, so none is bound to it
-        return False
+    return app in _REGISTRY
 
 
 def configuration_for(app: Any) -> Configuration:

@@ -25,7 +25,7 @@ from .callbacks import (
     check_callable,
 )
 from .core.clients import Forgotten, forget_client
-from .core.config import Leases, RoundConfig, validate_seconds
+from .core.config import Leases, RoundConfig, check_caller_seconds, validate_seconds
 from .core.round import (
     KeyState,
     Parsed,
@@ -322,6 +322,14 @@ class DurabilitySemaphore:
         with store.transaction(self._engine, write=False) as conn:
             return [key for _, key in store.all_keys(conn, self.name)]
 
+    def check_idle_for(self, idle_for: float) -> None:
+        """CallerError unless `idle_for` may prune this semaphore (see prune): a caller
+        pruning several semaphores checks them all before the first delete."""
+        valid = isinstance(idle_for, int | float) and not isinstance(idle_for, bool)
+        if not valid or not math.isfinite(idle_for) or idle_for < self._config.round_period:
+            raise CallerError(f"idle_for must be a number of seconds >= round_period "
+                              f"({self._config.round_period:g}), got {idle_for!r}")
+
     def prune(self, *, idle_for: float, batch: int = 1000, now: float | None = None) -> int:
         """Delete the rows of keys that hold nothing (no grant, lease or client) and had no
         round for `idle_for` seconds (at least `round_period`); returns how many.
@@ -333,10 +341,7 @@ class DurabilitySemaphore:
         row being pruned starts the key afresh. Each `batch` of rows is one transaction.
         """
         at = self._now(now)
-        valid = isinstance(idle_for, int | float) and not isinstance(idle_for, bool)
-        if not valid or not math.isfinite(idle_for) or idle_for < self._config.round_period:
-            raise CallerError(f"idle_for must be a number of seconds >= round_period "
-                              f"({self._config.round_period:g}), got {idle_for!r}")
+        self.check_idle_for(idle_for)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise CallerError(f"batch must be a positive integer, got {batch!r}")
         total = 0
@@ -354,7 +359,7 @@ class DurabilitySemaphore:
         seconds, with the keys where they hold something. Silence alone proves nothing (a
         long task on a grant sends no reports): confirm a client is gone before forgetting it.
         """
-        at = self._now(now) - _silence(silent_for)
+        at = self._now(now) - check_caller_seconds("silent_for", silent_for)
         found: dict[str, list[str]] = {}
         with store.transaction(self._engine, write=False) as conn:
             for client_id, key, _ in store.silent_clients(conn, self.name, before=at):
@@ -371,7 +376,7 @@ class DurabilitySemaphore:
         key = self._check_key(key)
         if not isinstance(client_id, str) or not client_id:
             raise CallerError(f"client_id must be a non-empty string, got {client_id!r}")
-        silence = _silence(silent_for)
+        silence = check_caller_seconds("silent_for", silent_for)
         at = self._now(now)
         with store.transaction(self._engine, write=True) as conn:
             old = store.read(conn, self.name, key, lock=True)
@@ -381,13 +386,6 @@ class DurabilitySemaphore:
             new, forgotten = forget_client(old, client_id)
             store.save(conn, old, with_lease_deadline(new, self._config), now=at)
         return forgotten
-
-
-def _silence(silent_for: object) -> float:
-    if (isinstance(silent_for, bool) or not isinstance(silent_for, int | float)
-            or not math.isfinite(silent_for) or silent_for < 0):
-        raise CallerError(f"silent_for must be a number of seconds >= 0, got {silent_for!r}")
-    return float(silent_for)
 
 
 _CONFORMS: type[store.Store] = DurabilitySemaphore  # mypy checks the contract here

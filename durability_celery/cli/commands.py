@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError, DurabilityError
+from ..errors import CallerError, ConfigurationError, DurabilityError
 from ..semaphore import DurabilitySemaphore
 
 if TYPE_CHECKING:
@@ -108,7 +107,6 @@ def _one_source(args: argparse.Namespace) -> None:
 def database_urls_of(args: argparse.Namespace) -> list[str]:
     """The databases the command acts on: each distinct one of the app's semaphores, or
     the one of --database / DURABILITY_DATABASE_URL."""
-    _one_source(args)
     if getattr(args, "app", None):
         with semaphores_from(args) as sems:
             if not sems:
@@ -252,11 +250,10 @@ def prune_command(args: argparse.Namespace) -> int:
                                      "use --app)")
         # Every check before the first delete: a refusal changes nothing.
         for sem in chosen:
-            floor = sem.config.round_period
-            if not math.isfinite(args.idle_for) or args.idle_for < floor:
-                raise ConfigurationError(
-                    f"--idle-for must be seconds >= {sem.name}'s round_period ({floor:g}), "
-                    f"got {args.idle_for:g}")
+            try:
+                sem.check_idle_for(args.idle_for)
+            except CallerError as exc:
+                raise ConfigurationError(f"--idle-for, semaphore {sem.name!r}: {exc}") from None
             _require_schema(sem)
         for sem in chosen:
             count = sem.prune(idle_for=args.idle_for)
@@ -271,14 +268,14 @@ def prune_command(args: argparse.Namespace) -> int:
 def holder_command(args: argparse.Namespace) -> int:
     from ..wire.routing import control_queue
 
-    prefix = _queue_prefix(args.app)
+    settings = _settings_of(args.app)
     extra = list(args.celery_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
     cmd = [sys.executable, "-m", "celery", "-A", args.app, "worker", "--durability-holder",
-           "-Q", control_queue(prefix), "--concurrency", "1"]
+           "-Q", control_queue(settings.queue_prefix), "--concurrency", "1"]
     if args.shards:
-        _check_shards(args.app, args.shards)
+        _check_shards(args.shards, settings.shards)
         cmd += ["--durability-shards", args.shards]
     cmd += extra
     if args.print_only:
@@ -289,19 +286,15 @@ def holder_command(args: argparse.Namespace) -> int:
     return 0  # pragma: no cover - exec does not return
 
 
-def _check_shards(app_spec: str, spec: str) -> None:
+def _check_shards(spec: str, shards: int) -> None:
     """The worker would refuse a bad range at start; refused here, `--print` never shows
     a command that cannot run."""
     from ..holder.service import parse_shards
 
     try:
-        parse_shards(spec, _settings_of(app_spec).shards)
+        parse_shards(spec, shards)
     except ValueError as exc:
         raise ConfigurationError(f"--shards: {exc}") from None
-
-
-def _queue_prefix(app_spec: str) -> str:
-    return _settings_of(app_spec).queue_prefix
 
 
 def _settings_of(app_spec: str) -> DurabilitySettings:

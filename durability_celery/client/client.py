@@ -15,8 +15,9 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, TypeGuard
+from typing import Any
 
+from ..core.config import check_caller_seconds
 from ..errors import CallerError, InvalidMessage
 from ..wire.error import ErrorReply
 from ..wire.fields import MAX_ID_LENGTH
@@ -77,12 +78,8 @@ class SemaphoreClient:
                             ("handoff_linger", handoff_linger), ("lease_idle", lease_idle),
                             ("supersede_after", supersede_after), ("ask_early", ask_early),
                             ("request_timeout", request_timeout)):
-            if value is None and name in ("lease_idle", "supersede_after"):
-                continue
-            positive = name == "request_timeout"
-            if not _finite(value) or value < 0 or (positive and value == 0):
-                raise CallerError(f"{name} must be a number of seconds "
-                                  f"{'> 0' if positive else '>= 0'}, got {value!r}")
+            if value is not None or name not in ("lease_idle", "supersede_after"):
+                check_caller_seconds(name, value, positive=name == "request_timeout")
         self.stopped = False
         self._clock = clock
         self._ledgers: dict[str, KeyLedger] = {}
@@ -150,7 +147,8 @@ class SemaphoreClient:
                                   or len(group) > MAX_ID_LENGTH):
             raise CallerError(f"group must be None or a non-empty string of at most "
                               f"{MAX_ID_LENGTH} chars, got {group!r}")
-        if not _finite(enqueued_at):
+        if (isinstance(enqueued_at, bool) or not isinstance(enqueued_at, int | float)
+                or not math.isfinite(enqueued_at)):
             raise CallerError(f"enqueued_at must be a number of seconds, got {enqueued_at!r}")
         self._ledger(key)  # validates the key
         self._queue.add(key, group, item_id, float(enqueued_at))
@@ -419,8 +417,3 @@ class SemaphoreClient:
                 raise CallerError("key must be a non-empty string")
             ledger = self._ledgers[key] = KeyLedger()
         return ledger
-
-
-def _finite(value: object) -> TypeGuard[float]:
-    return (not isinstance(value, bool) and isinstance(value, int | float)
-            and math.isfinite(value))

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import ConfigurationError
+from ..errors import CallerError, ConfigurationError
 from ..wire.fields import MAX_COUNT, MAX_ID_LENGTH
 
 
@@ -28,6 +28,16 @@ def validate_seconds(name: str, value: object, *, minimum: float = 0.0) -> float
             f"{name} must be between {minimum} and 31622400 seconds, got {value}"
         )
     return seconds
+
+
+def check_caller_seconds(name: str, value: object, *, positive: bool = False) -> float:
+    """A duration a caller passed: finite and at least 0 (above 0 if `positive`), else
+    CallerError (validate_seconds is its twin for settings, read at start-up)."""
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        raise CallerError(f"{name} must be a number of seconds {'> 0' if positive else '>= 0'}, "
+                          f"got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

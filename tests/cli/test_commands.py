@@ -138,7 +138,9 @@ def test_prune_deletes_idle_keys_and_refuses_bad_input(cli: Any, database_url: s
     # ("accounts" sorts first and would accept 10 s).
     slow = json.dumps({"accounts": 9, "zzz": {"limit": 1, "round_period": 60}})
     one_line_error(cli("prune", "--idle-for", "10",
-                       env={**env, "DURABILITY_SEMAPHORES": slow}), "zzz's round_period (60)")
+                       env={**env, "DURABILITY_SEMAPHORES": slow}),
+                   "--idle-for, semaphore 'zzz': idle_for must be a number of seconds >= "
+                   "round_period (60)")
     kept = DurabilitySemaphore("accounts", database=database_url, limit=9)
     assert sorted(kept.keys()) == ["busy", "done"]
     kept.close()
