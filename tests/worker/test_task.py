@@ -161,7 +161,8 @@ def test_options_are_checked_when_the_decorator_runs(app: Celery) -> None:
 
 
 def test_a_good_bound_task_passes_the_decoration_check(app: Celery) -> None:
-    @app.task(base=AdmittedTask, semaphore="accounts", key="account", bind=True)
+    @app.task(base=AdmittedTask, semaphore="accounts", key="account", bind=True,
+              shared=False)
     def bound(self: Any, account: str) -> str:
         return account
 
