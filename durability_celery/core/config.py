@@ -121,6 +121,10 @@ class Leases:
             )
 
 
+MIN_ROUND_PERIOD = 0.01
+"""The shortest round_period accepted (seconds)."""
+
+
 @dataclass(frozen=True)
 class RoundConfig:
     """What a round needs to know besides state and messages."""
@@ -138,7 +142,12 @@ class RoundConfig:
             )
         validate_seconds("grant_timeout", self.grant_timeout, minimum=0.001)
         validate_seconds("round_wait", self.round_wait)
-        validate_seconds("round_period", self.round_period)
+        # A period of zero would tell every client to ask again the moment it is answered.
+        validate_seconds("round_period", self.round_period, minimum=MIN_ROUND_PERIOD)
+        if self.round_wait > self.round_period:
+            raise ConfigurationError(
+                f"round_wait ({self.round_wait:g} s) must be at most round_period "
+                f"({self.round_period:g} s): a request waits for others within one period")
         if self.leases is not None and not isinstance(self.leases, Leases):
             raise ConfigurationError("leases must be None or a Leases(...) instance")
 
