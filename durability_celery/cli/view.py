@@ -21,6 +21,15 @@ def _group_name(group: str | None) -> str:
     return "(no group)" if group is None else group
 
 
+def _limit_caption(found: Usage) -> str | None:
+    """Why the live limit is unknown: rounds admit nothing for the key meanwhile."""
+    if found.limit_error is None:
+        return None
+    shown = "the limit shown is the last round's" if found.limit is not None else "no limit known"
+    return (f"limit_resolution_error: {found.limit_error}; rounds admit nothing new for "
+            f"this key until it resolves ({shown})")
+
+
 def usage_table(found: Usage) -> Table:
     """`durability-celery usage`: the key's budget, per group, and blocked demand."""
     limit = "?" if found.limit is None else str(found.limit)
@@ -28,6 +37,7 @@ def usage_table(found: Usage) -> Table:
         title=f"{found.semaphore} / {found.key}: {found.in_use} in use of {limit} "
         f"({found.grants} grants, {found.leases} leases)",
         title_justify="left",
+        caption=_limit_caption(found), caption_justify="left",
     )
     for column in ("group", "outstanding", "lease footprint", "group limit", "blocked"):
         table.add_column(column, justify="left" if column in ("group", "blocked") else "right")

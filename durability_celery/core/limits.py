@@ -21,15 +21,24 @@ class ResolvedLimits:
         self._groups: dict[str, int | None] = {}
         self._failed_groups: set[str] = set()
         self._permits: dict[tuple[str, str | None], bool | None] = {}
+        self.limit_error: str | None = None
+        """Why `limit` is None: what the callback raised or returned, in one line."""
         self.limit: int | None = self._resolve_limit()
         """The key's limit, or None when the callback raised or returned an invalid value."""
 
     def _resolve_limit(self) -> int | None:
         try:
             value = self._source.limit(self._key)
-        except Exception:
+        except Exception as exc:
+            detail = (str(exc).strip().splitlines() or [""])[0]
+            self.limit_error = f"limit callback raised {type(exc).__name__}" + (
+                f": {detail}" if detail else "")
             return None
-        return value if _valid_count(value) else None
+        if not _valid_count(value):
+            self.limit_error = (f"limit callback returned {value!r:.80}, not a count "
+                                f"from 0 to {MAX_COUNT}")
+            return None
+        return value
 
     def _resolve_group(self, group: str) -> None:
         try:

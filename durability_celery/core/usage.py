@@ -35,6 +35,8 @@ class Usage:
     blocked: tuple[Blocked, ...]
     grants: int
     leases: int
+    limit_error: str | None = None
+    """Why the live limit could not be resolved now (`limit` is then the last round's)."""
 
     @property
     def in_use(self) -> int:
@@ -65,4 +67,5 @@ def usage(state: KeyState, *, config: RoundConfig, limits: LimitSource, now: flo
         outstanding=sum(outstanding.values()), lease_footprint=sum(footprint.values()),
         groups=groups, blocked=state.blocked,
         grants=len(current.grants), leases=len(current.leases),
+        limit_error=resolved.limit_error,
     )

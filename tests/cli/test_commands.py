@@ -159,12 +159,21 @@ def test_usage_with_app_module(cli: Any, database_url: str, tmp_path: Path) -> N
         "from durability_celery.app import Durability\n"
         "from durability_celery.semaphore import DurabilitySemaphore\n"
         "app = Celery('myapp')\n"
-        f"Durability(app, [DurabilitySemaphore('jobs', database={database_url!r}, limit=5)])\n")
+        "def limit(key):\n"
+        "    return 5 if key != 'bad' else 1 // 0\n"
+        f"Durability(app, [DurabilitySemaphore('jobs', database={database_url!r}, "
+        "limit=limit)])\n")
     DurabilitySemaphore.migrate(database_url)
     done = cli("usage", "jobs", "k", "--json", "--app", module, cwd=tmp_path)
-    sys.modules.pop(module, None)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["limit"] == 5
+    bad = cli("usage", "jobs", "bad", "--app", module, cwd=tmp_path)
+    sys.modules.pop(module, None)
+    assert bad.returncode == 0, bad.stderr
+    assert "jobs / bad: 0 in use of ?" in bad.stdout
+    assert ("limit_resolution_error: limit callback raised ZeroDivisionError: integer "
+            "division or modulo by zero; rounds admit nothing new for this key until it "
+            "resolves (no limit known)") in " ".join(bad.stdout.split())  # wrapped caption
 
 
 def test_migrate_with_an_app_creates_every_semaphores_database(cli: Any,

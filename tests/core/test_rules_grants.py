@@ -329,3 +329,21 @@ def test_usage_per_group_and_blocked(make_semaphore: Any) -> None:
     assert groups == {"w": (2, 2), None: (2, None)}
     assert [(b.group, b.reason, b.queued) for b in usage.blocked] == [("w", "group_limit", 2)]
     assert usage.grants == 2
+
+
+def test_usage_says_why_a_live_limit_is_unknown(make_semaphore: Any) -> None:
+    limits = Limits(5)
+    sem = make_semaphore(limits)
+    sem.run_round(KEY, [request("a", [(None, 2, 1.0)])], now=T0)
+    assert sem.usage(KEY, now=T0).limit_error is None
+
+    def broken(key: str) -> int:
+        raise LookupError("no plan for acct\nsecond line")
+
+    limits.value = broken
+    usage = sem.usage(KEY, now=T0)
+    assert (usage.limit, usage.outstanding) == (5, 2)  # the last round's limit, still counted
+    assert usage.limit_error == "limit callback raised LookupError: no plan for acct"
+    limits.value = -1  # type: ignore[assignment]
+    assert sem.usage(KEY, now=T0).limit_error == (
+        "limit callback returned -1, not a count from 0 to 1000000000")
