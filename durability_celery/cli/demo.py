@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..store import create_engine
 from . import ledger
 from .children import Children
 from .view import AccountView, Check, GroupView, Snapshot, headless_line, live_view, verdict_table
@@ -88,6 +89,11 @@ class DemoRun:
             env["DURABILITY_BROKER_URL"] = self.broker_url
         return env
 
+    def flags(self) -> dict[str, str]:
+        """The flag that set each variable, to name it when its value is refused."""
+        flags = {"DURABILITY_DATABASE_URL": "--database"}
+        return {**flags, "DURABILITY_BROKER_URL": "--broker"} if self.broker_url else flags
+
 
 def task_seconds(spec: str) -> tuple[float, float]:
     """`--task-seconds`: "MIN-MAX" or one number."""
@@ -150,7 +156,14 @@ def run_demo(args: argparse.Namespace) -> int:
 def _prepare(run: DemoRun) -> tuple[Any, Any]:
     """Build the app, create the schema, and check the broker answers (before any child)."""
     import worker_config
+    from worker_config.env import EnvError, load_config
 
+    try:
+        load_config(os.environ)
+    except EnvError as exc:
+        flag = run.flags().get(exc.variable)
+        raise (ConfigurationError(f"{flag}: {exc.problem}") if flag else exc) from None
+    create_engine(run.database_url, setting="--database").dispose()
     app = worker_config.app
     sem = worker_config.durability.semaphore(run.semaphore)
     # The broker first: a demo that cannot run leaves no schema behind.

@@ -262,6 +262,19 @@ def test_demo_with_unreachable_broker(cli: Any, tmp_path: Path) -> None:
     assert not (tmp_path / "demo" / "demo.db").exists()  # nor any schema created
 
 
+@pytest.mark.parametrize(("flag", "value", "problem"), [
+    ("--broker", "ftp://x", "--broker: unsupported broker 'ftp'"),
+    ("--broker", "nowhere", "--broker: not a broker URL"),
+    ("--database", "ftp://x", "--database: 'ftp' is not supported"),
+])
+def test_demo_names_the_flag_whose_url_is_refused(tmp_path: Path, flag: str, value: str,
+                                                   problem: str) -> None:
+    # In a child: the demo exports its settings to its own environment.
+    one_line_error(subprocess_cli("demo", "--headless", flag, value,
+                                  "--home", str(tmp_path / "demo")), problem)
+    assert not (tmp_path / "demo" / "demo.db").exists()
+
+
 def test_holder_prints_the_exact_command(cli: Any) -> None:
     done = cli("holder", "--print", "--shards", "0-3", "--", "--loglevel", "INFO",
                env={"DURABILITY_QUEUE_PREFIX": "acme"})
