@@ -123,6 +123,17 @@ class Leases:
 
 MIN_ROUND_PERIOD = 0.01
 """The shortest round_period accepted (seconds)."""
+ROUND_WAIT = 1.0
+"""round_wait when not given, or round_period if that is shorter."""
+
+
+def round_wait_or_default(round_wait: float | None, round_period: float) -> float:
+    """`round_wait`, or its default for `round_period` (RoundConfig checks both)."""
+    if round_wait is not None:
+        return round_wait
+    if isinstance(round_period, int | float) and not isinstance(round_period, bool):
+        return min(ROUND_WAIT, round_period)
+    return ROUND_WAIT  # round_period is refused anyway
 
 
 @dataclass(frozen=True)
