@@ -116,23 +116,31 @@ def test_a_pool_that_fills_gives_back_what_it_raised_for_beyond_a_busy_pools_sha
     assert len(gate.state.held) == POOL, "the busy pool's share stays"
 
 
-def test_a_full_pool_keeps_the_messages_its_running_tasks_pass_permits_to() -> None:
+def test_a_full_pool_keeps_one_message_per_running_task_of_its_key_to_pass_a_permit_to(
+) -> None:
+    # A running task passes its permit to one successor when it ends; more held behind
+    # it would wait a whole task here while a worker with a free slot idles. Older
+    # messages of another key stay: the running tasks give way to them.
     gate, loop, clock = gate_without_permits(busy=0, max_held=8 * POOL)
-    running = FakeRequest()
-    gate.submit(running)
+    running = [FakeRequest() for _ in range(2)]
+    for request in running:
+        gate.submit(request)
     (message,) = gate.pump()
-    answer = reply(clock.now, grants=[grant("G1", permits=1, claim_deadline=clock.now + 10)])
+    answer = reply(clock.now, grants=[grant("G1", permits=2, claim_deadline=clock.now + 10)])
     assert gate.on_reply(message.correlation_id, answer)
     gate.pump(collect=False)
-    assert loop.started == [running.id]
-    successors = [FakeRequest() for _ in range(2 * POOL)]
-    for request in successors:
+    assert loop.started == [r.id for r in running]
+    others = [FakeRequest(key="acct-other") for _ in range(POOL)]
+    successors = [FakeRequest() for _ in range(POOL)]
+    for request in others + successors:
         gate.submit(request)
-    loop.busy = POOL - 1
+    assert gate.state.raised == 2 * POOL
+    loop.busy = POOL - 2  # other work fills the rest of the pool
     clock.advance(1.0)
     gate.pump()
-    assert [r.rejected for r in successors] == [[]] * (2 * POOL)
-    assert loop.qos == gate.state.raised == 2 * POOL
+    assert [r.rejected for r in others] == [[]] * POOL
+    assert [r.rejected for r in successors] == [[], [], [True], [True]]
+    assert loop.qos == gate.state.raised == 2 * POOL - 2
 
 
 def test_held_and_refused_hand_backs_are_returned_when_the_consumer_stops() -> None:

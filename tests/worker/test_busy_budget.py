@@ -147,3 +147,41 @@ def test_a_worker_whose_pool_fills_gives_back_what_it_raised_prefetch_for(
                      context=lambda: str(cluster.inspect_held()))
     assert {cluster.starts()[task] for task in held_w} == {1}
     assert cluster.max_running("w") == 1
+
+
+def test_a_full_worker_hands_back_what_its_running_tasks_cannot_pass_permits_to(
+        cluster_factory: Callable[..., Cluster]) -> None:
+    # Worker A takes six `x` tasks while no holder answers (its free slots let it hold
+    # them all); once the holder starts, two run and fill A's pool. Of the four held,
+    # only two take the running tasks' permits as those end: the other two go back to
+    # the broker, and B, idle, runs them on x's two free permits instead of leaving
+    # them to wait a whole task for A's slots. The shared queue moves from A to B
+    # first, so the broker cannot hand them straight back to A's prefetch window.
+    cluster = cluster_factory(limits={"x": 4}, round_wait=ROUND_WAIT, round_period=6.0,
+                              grant_timeout=GRANT_TIMEOUT)
+    base = cluster.config["task_queue"]
+    shared, only_b = f"{base}.shared", f"{base}.b"
+    cluster.start(holder=False, clients=1, concurrency=2, extra=("-Q", shared))
+    cluster.start(holder=False, clients=1, concurrency=2, extra=("-Q", only_b))
+    tasks = [str(cluster.admitted.apply_async(kwargs={"account": "x", "group": None,
+                                                      "work": 10.0}, queue=shared).id)
+             for _ in range(6)]
+    cluster.wait_for("A to hold all six", lambda: sum(
+        found.get("held", 0) for found in cluster.inspect_held().values()) == 6,
+        timeout=20, context=lambda: str(cluster.inspect_held()))
+    queues = cluster.inspect("active_queues")
+    (node_a,) = [n for n, found in queues.items() if any(q["name"] == shared for q in found)]
+    (node_b,) = [n for n, found in queues.items() if any(q["name"] == only_b for q in found)]
+    control = cluster.app.control
+    control.cancel_consumer(shared, destination=[node_a], reply=True, timeout=5)
+    control.add_consumer(shared, destination=[node_b], reply=True, timeout=5)
+    cluster.start(clients=0)
+    started = time.monotonic()
+    cluster.wait_for("B to run the two A handed back", lambda: len(
+        set(tasks) & set(cluster.starts())) == 4, timeout=8,
+        context=lambda: str(cluster.inspect_held()))
+    assert time.monotonic() - started < 10.0, "they waited for A's tasks to end"
+    held = cluster.inspect_held()
+    assert (held[node_a]["running"], held[node_a]["held"]) == (2, 2)
+    assert held[node_b]["running"] == 2
+    assert cluster.max_running("x") == 4

@@ -75,24 +75,18 @@ class Hold:
     def _shed_excess(self, now: float) -> None:
         """While every pool slot is taken, keep no more raised messages than _may_raise
         allows a busy pool: those raised while a slot was free that the pool has no room
-        for now (no free slot, no running task that gives way to them, no task of their
-        key to pass a permit on) go back to the broker first in line, youngest first,
-        once held SHED_AFTER. Each lowers the prefetch it raised, so the broker sends it
-        to a worker with a free slot rather than back here; kept, it waits for this
-        pool's slots while that worker idles."""
+        for now go back to the broker first in line, youngest first, once held
+        SHED_AFTER. No room: no free slot, no running task that gives way to them, and
+        not among the oldest held of their key and group, one per running task of those
+        whose permit it would be passed. Each lowers the prefetch it raised, so the broker
+        sends it to a worker with a free slot rather than back here; kept, it waits for
+        this pool's slots while that worker idles."""
         state = self.state
         excess = state.raised - self._busy_limit()
         if excess <= 0 or self._free() > 0:
             return
-        running: dict[str, set[str]] = {}
-        for item in reversed(list(state.held)):  # youngest first
-            entry = state.held[item]
-            if not entry.raised_qos or entry.held_since + SHED_AFTER > now:
-                continue
-            client = self.clients[entry.semaphore]
-            if entry.semaphore not in running:
-                running[entry.semaphore] = set(client.running())
-            if entry.key in running[entry.semaphore] or client.room(entry.key) != 0:
+        for item, entry in reversed(self._beyond_successors(now)):  # youngest first
+            if self.clients[entry.semaphore].room(entry.key) != 0:
                 continue
             self._unhold(item)
             logger.debug("durability: handing task %s back to the broker: no room for it "
@@ -101,6 +95,25 @@ class Hold:
             excess -= 1
             if excess <= 0:
                 return
+
+    def _beyond_successors(self, now: float) -> list[tuple[str, Held]]:
+        """Raised messages held SHED_AFTER, oldest first, but for the oldest held of each
+        key and group, one per running task of theirs: those take the permits passed on
+        when the running tasks end. The rest would wait a whole task here."""
+        running: dict[str, dict[str, dict[str | None, int]]] = {}
+        passed: dict[tuple[str, str, str | None], int] = {}
+        beyond = []
+        for item, entry in self.state.held.items():  # oldest first
+            chain = (entry.semaphore, entry.key, entry.group)
+            if chain not in passed:
+                if entry.semaphore not in running:
+                    running[entry.semaphore] = self.clients[entry.semaphore].running()
+                passed[chain] = running[entry.semaphore].get(entry.key, {}).get(entry.group, 0)
+            if passed[chain] > 0:
+                passed[chain] -= 1
+            elif entry.raised_qos and entry.held_since + SHED_AFTER <= now:
+                beyond.append((item, entry))
+        return beyond
 
     def _hand_back_overdue(self, now: float) -> None:
         held = self.state.held
