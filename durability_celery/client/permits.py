@@ -41,6 +41,8 @@ class Permit(NamedTuple):
     """When the permit was claimed or drawn; a handoff keeps it (see pass_on)."""
     handed_off: bool = False
     """The permit came from an item that ended, not from a new claim or draw."""
+    started: float = 0.0
+    """When this item took the permit: its task's start (`since` is the permit's)."""
 
 
 class Settings(Protocol):
@@ -147,7 +149,7 @@ class Permits:
         grant = min(grants, key=_DEADLINE)
         grant.claim()
         self._quiet.pop(key, None)
-        return Permit._make((item_id, key, group, "grant", grant.grant_id, now, False))
+        return Permit._make((item_id, key, group, "grant", grant.grant_id, now, False, now))
 
     def _reuse_idle(self, key: str, group: str | None, item_id: str,
                     now: float) -> Permit | None:
@@ -165,7 +167,7 @@ class Permits:
             # gives such permits back at once (release_idle's recheck).
             if now < until:
                 return Permit._make((item_id, kept.key, kept.group, kept.source,
-                                     kept.source_id, kept.since, True))
+                                     kept.source_id, kept.since, True, now))
             self.give_back(kept)  # its time ran out while it waited
         return None
 
@@ -179,7 +181,7 @@ class Permits:
         lease = min(leases, key=lambda le: le.expires_at)
         lease.draw(now)
         self._quiet.pop(key, None)
-        return Permit._make((item_id, key, group, "lease", lease.lease_id, now, False))
+        return Permit._make((item_id, key, group, "lease", lease.lease_id, now, False, now))
 
     # -- giving one up -----------------------------------------------------------
 
@@ -228,7 +230,7 @@ class Permits:
                 return None
             successor = queue[0][2]
             self.unqueue(successor)  # marks the key changed, as a release does
-            passed = permit._replace(item_id=successor, handed_off=True)
+            passed = permit._replace(item_id=successor, handed_off=True, started=now)
             self.admitted[successor] = passed
             return passed
         self._keep_idle(permit, now, usable_until, changed=bool(groups))

@@ -183,7 +183,7 @@ def find_task(gate: Gate, task_id: str) -> dict[str, Any]:
             if permit is not None:
                 return {"state": "running", "item": item, "semaphore": semaphore,
                         "key": permit.key, "group": permit.group, "source": permit.source,
-                        "running_for": round(now - permit.since, 3)}
+                        "running_for": round(now - permit.started, 3)}
     known = celery_worker.request_state(task_id)
     if known is not None:
         return {"state": known[0], "task": known[1]}

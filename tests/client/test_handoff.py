@@ -70,6 +70,7 @@ def test_the_permit_goes_to_the_oldest_queued_item_of_its_group_and_the_claim_st
     assert (passed.item_id, passed.source, passed.source_id) == ("old", "grant", "g1")
     assert passed.handed_off
     assert passed.since == 1000.0, "the permit keeps the time it was claimed"
+    assert passed.started == 1001.0, "its task starts now (`why` says how long it ran)"
     assert client.permit("run-0") is None and client.permit("old") == passed
     assert client.held() == {KEY: {None: 1, "other": 1}}
     message = client.message(KEY)
