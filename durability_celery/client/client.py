@@ -367,6 +367,13 @@ class SemaphoreClient:
         """Admitted, not yet released items per key and group."""
         return self._permits.running()
 
+    def at_hand(self, key: str, group: str | None) -> int:
+        """Permits items of (key, group) may start on here without the holder: claimable
+        grant permits, drawable lease permits and permits kept idle."""
+        if key not in self._ledgers:
+            return 0
+        return self._permits.held(key, group, self._clock())
+
     def ledgers(self) -> Mapping[str, KeyLedger]:
         """This client's copy of each key's grants and leases, read-only (for inspection:
         the ledgers themselves are live and change with every admission)."""

@@ -15,7 +15,7 @@ import pytest
 from durability_celery.worker.gate import Gate
 
 from .gate_fakes import FakeRequest, Loop
-from .helpers import SEM, FakeClock, grant, make_client, reply
+from .helpers import KEY, SEM, FakeClock, grant, lease, make_client, reply
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -116,31 +116,33 @@ def test_a_pool_that_fills_gives_back_what_it_raised_for_beyond_a_busy_pools_sha
     assert len(gate.state.held) == POOL, "the busy pool's share stays"
 
 
-def test_a_full_pool_keeps_one_message_per_running_task_of_its_key_to_pass_a_permit_to(
-) -> None:
-    # A running task passes its permit to one successor when it ends; more held behind
-    # it would wait a whole task here while a worker with a free slot idles. Older
-    # messages of another key stay: the running tasks give way to them.
-    gate, loop, clock = gate_without_permits(busy=0, max_held=8 * POOL)
-    running = [FakeRequest() for _ in range(2)]
-    for request in running:
+@pytest.mark.parametrize(("at_hand", "handed_back"), [(0, 2), (1, 1)])
+def test_a_full_pool_keeps_one_message_per_permit_of_its_key_here(
+        at_hand: int, handed_back: int) -> None:
+    # Six tasks of a key arrive while two slots are free, before any permit: two start
+    # when the holder answers and fill the pool. A running task passes its permit to one
+    # successor when it ends, and an undrawn lease permit waits here for a slot (another
+    # worker would have none); more held would wait a whole task here while a worker
+    # with a free slot idles. Older messages of another key stay: the running tasks give
+    # way to them.
+    gate, loop, clock = gate_without_permits(busy=POOL - 2, max_held=8 * POOL)
+    others = [FakeRequest(key="acct-other") for _ in range(POOL)]
+    mine = [FakeRequest() for _ in range(2 + POOL)]
+    for request in others + mine:
         gate.submit(request)
-    (message,) = gate.pump()
-    answer = reply(clock.now, grants=[grant("G1", permits=2, claim_deadline=clock.now + 10)])
+    assert gate.state.raised == 2 * POOL + 2
+    (message,) = [m for m in gate.pump() if m.key == KEY]
+    answer = reply(clock.now, leases=[
+        lease("L1", permits=2 + at_hand, expires_at=clock.now + 600)] if at_hand else [],
+        grants=[] if at_hand else [grant("G1", permits=2, claim_deadline=clock.now + 10)])
     assert gate.on_reply(message.correlation_id, answer)
     gate.pump(collect=False)
-    assert loop.started == [r.id for r in running]
-    others = [FakeRequest(key="acct-other") for _ in range(POOL)]
-    successors = [FakeRequest() for _ in range(POOL)]
-    for request in others + successors:
-        gate.submit(request)
-    assert gate.state.raised == 2 * POOL
-    loop.busy = POOL - 2  # other work fills the rest of the pool
+    assert loop.started == [r.id for r in mine[:2]]
     clock.advance(1.0)
     gate.pump()
     assert [r.rejected for r in others] == [[]] * POOL
-    assert [r.rejected for r in successors] == [[], [], [True], [True]]
-    assert loop.qos == gate.state.raised == 2 * POOL - 2
+    assert [r.rejected for r in mine[2:]] == [[]] * (POOL - handed_back) + [[True]] * handed_back
+    assert loop.qos == gate.state.raised == 2 * POOL - handed_back
 
 
 def test_held_and_refused_hand_backs_are_returned_when_the_consumer_stops() -> None:

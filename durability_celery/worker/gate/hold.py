@@ -77,8 +77,9 @@ class Hold:
         allows a busy pool: those raised while a slot was free that the pool has no room
         for now go back to the broker first in line, youngest first, once held
         SHED_AFTER. No room: no free slot, no running task that gives way to them, and
-        not among the oldest held of their key and group, one per running task of those
-        whose permit it would be passed. Each lowers the prefetch it raised, so the broker
+        not among the oldest held of their key and group, one per permit of theirs here
+        (running tasks pass theirs on; a lease's undrawn ones wait for a slot here, and
+        another worker would have none). Each lowers the prefetch it raised, so the broker
         sends it to a worker with a free slot rather than back here; kept, it waits for
         this pool's slots while that worker idles."""
         state = self.state
@@ -98,19 +99,21 @@ class Hold:
 
     def _beyond_successors(self, now: float) -> list[tuple[str, Held]]:
         """Raised messages held SHED_AFTER, oldest first, but for the oldest held of each
-        key and group, one per running task of theirs: those take the permits passed on
-        when the running tasks end. The rest would wait a whole task here."""
+        key and group, one per permit of theirs here (running or at hand): those start on
+        them as slots free. The rest would wait a whole task here."""
         running: dict[str, dict[str, dict[str | None, int]]] = {}
-        passed: dict[tuple[str, str, str | None], int] = {}
+        permits: dict[tuple[str, str, str | None], int] = {}
         beyond = []
         for item, entry in self.state.held.items():  # oldest first
             chain = (entry.semaphore, entry.key, entry.group)
-            if chain not in passed:
+            if chain not in permits:
+                client = self.clients[entry.semaphore]
                 if entry.semaphore not in running:
-                    running[entry.semaphore] = self.clients[entry.semaphore].running()
-                passed[chain] = running[entry.semaphore].get(entry.key, {}).get(entry.group, 0)
-            if passed[chain] > 0:
-                passed[chain] -= 1
+                    running[entry.semaphore] = client.running()
+                permits[chain] = (running[entry.semaphore].get(entry.key, {}).get(entry.group, 0)
+                                 + client.at_hand(entry.key, entry.group))
+            if permits[chain] > 0:
+                permits[chain] -= 1
             elif entry.raised_qos and entry.held_since + SHED_AFTER <= now:
                 beyond.append((item, entry))
         return beyond
