@@ -25,13 +25,7 @@ from .callbacks import (
     check_callable,
 )
 from .core.clients import Forgotten, forget_client
-from .core.config import (
-    Leases,
-    RoundConfig,
-    check_caller_seconds,
-    round_wait_or_default,
-    validate_seconds,
-)
+from .core.config import Leases, RoundConfig, check_caller_seconds, validate_seconds
 from .core.round import (
     KeyState,
     Parsed,
@@ -135,7 +129,7 @@ class DurabilitySemaphore:
         limit: int | LimitCallback,
         group_limit: GroupLimitCallback | None = None,
         can_grant: CanGrantCallback | None = None,
-        round_wait: float | None = None,
+        round_wait: float = 1.0,
         round_period: float = 2.0,
         grant_timeout: float = 10.0,
         leases: Leases | None = None,
@@ -143,8 +137,7 @@ class DurabilitySemaphore:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = RoundConfig(
-            semaphore=name, grant_timeout=grant_timeout,
-            round_wait=round_wait_or_default(round_wait, round_period),
+            semaphore=name, grant_timeout=grant_timeout, round_wait=round_wait,
             round_period=round_period, leases=leases,
         )
         # A client-side policy (the holder never sees it): how long a worker may pass a

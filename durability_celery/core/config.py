@@ -123,17 +123,6 @@ class Leases:
 
 MIN_ROUND_PERIOD = 0.01
 """The shortest round_period accepted (seconds)."""
-ROUND_WAIT = 1.0
-"""round_wait when not given, or round_period if that is shorter."""
-
-
-def round_wait_or_default(round_wait: float | None, round_period: float) -> float:
-    """`round_wait`, or its default for `round_period` (RoundConfig checks both)."""
-    if round_wait is not None:
-        return round_wait
-    if isinstance(round_period, int | float) and not isinstance(round_period, bool):
-        return min(ROUND_WAIT, round_period)
-    return ROUND_WAIT  # round_period is refused anyway
 
 
 @dataclass(frozen=True)
@@ -155,10 +144,6 @@ class RoundConfig:
         validate_seconds("round_wait", self.round_wait)
         # A period of zero would tell every client to ask again the moment it is answered.
         validate_seconds("round_period", self.round_period, minimum=MIN_ROUND_PERIOD)
-        if self.round_wait > self.round_period:
-            raise ConfigurationError(
-                f"round_wait ({self.round_wait:g} s) must be at most round_period "
-                f"({self.round_period:g} s): a request waits for others within one period")
         if self.leases is not None and not isinstance(self.leases, Leases):
             raise ConfigurationError("leases must be None or a Leases(...) instance")
 

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.config import ROUND_WAIT, Leases, RoundConfig
+from ..core.config import Leases, RoundConfig
 from ..core.keystate import LimitSource
 from ..core.round import KeyState, reclaim, run_round
 from ..core.usage import Usage, usage
@@ -25,7 +25,6 @@ class MemorySemaphore:
                  round_period: float = 2.0, leases: Leases | None = None) -> None:
         self.limits = limits
         self.config = RoundConfig(name, grant_timeout=grant_timeout,
-                                  round_wait=min(ROUND_WAIT, round_period),
                                   round_period=round_period, leases=leases)
         self.states: dict[str, KeyState] = {}
         self._ids = (f"id-{n}" for n in itertools.count())

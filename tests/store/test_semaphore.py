@@ -53,16 +53,6 @@ def test_bad_settings_fail_at_construction(tmp_path: Path, options: dict[str, An
         DurabilitySemaphore("accounts", **settings)
 
 
-def test_round_wait_defaults_to_at_most_the_round_period(tmp_path: Path) -> None:
-    database = f"sqlite:///{tmp_path / 'x.db'}"
-    assert DurabilitySemaphore("a", database=database, limit=1).config.round_wait == 1.0
-    short = DurabilitySemaphore("a", database=database, limit=1, round_period=0.25)
-    assert short.config.round_wait == 0.25
-    with pytest.raises(ConfigurationError, match=r"^round_wait \(0\.5 s\) must be at most "
-                       r"round_period \(0\.25 s\)"):
-        DurabilitySemaphore("a", database=database, limit=1, round_wait=0.5, round_period=0.25)
-
-
 def test_bad_name_fails_at_construction(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="semaphore name"):
         DurabilitySemaphore("", database=f"sqlite:///{tmp_path / 'x.db'}", limit=1)
