@@ -68,6 +68,75 @@ def _of_many(query: sa.Select[Any], table: sa.Table, postgres: bool, *,
     return query.where(_of_keys(table))
 
 
+_POSTGRES = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+
+class ArrayRows:
+    """Many rows of `table` written on PostgreSQL as one statement, joined to the table
+    through unnest(one array per column) by primary key: the rows are bound and sent
+    once, where an executemany binds and sends each row (most of a batch's Python time
+    in the store). The SQL is rendered once and run as the driver's own (exec_driver_sql),
+    each array cast to its column's type: SQLAlchemy would walk every element of every
+    array to bind it. Each row is found through the primary key, as for one row, whatever
+    the table's statistics."""
+
+    def __init__(self, table: sa.Table, columns: tuple[str, ...],
+                 updates: tuple[str, ...] = ()) -> None:
+        quote = _POSTGRES.identifier_preparer.quote
+        self.columns = columns
+        self.primary = tuple(c.name for c in table.primary_key.columns)
+        self.name = quote(table.name)
+        self._types = {c: table.c[c].type.compile(dialect=_POSTGRES) for c in columns}
+        # psycopg types a list by its elements: an int among floats must not decide it.
+        self._floats = {c for c in columns if isinstance(table.c[c].type, sa.Float)}
+        self._quote = quote
+        names = ", ".join(quote(c) for c in columns)
+        self._upsert = (
+            f"INSERT INTO {self.name} ({names}) SELECT {names} FROM {self._unnest(columns)}"
+            f" ON CONFLICT ({', '.join(quote(c) for c in self.primary)}) DO UPDATE SET "
+            + ", ".join(f"{quote(c)} = EXCLUDED.{quote(c)}" for c in updates))
+        rest = [c for c in columns if c not in self.primary]
+        self._update = (
+            f"UPDATE {self.name} SET " + ", ".join(f"{quote(c)} = r.{quote(c)}" for c in rest)
+            + f" FROM {self._unnest(columns)} WHERE {self._match()}")
+        self._delete = f"DELETE FROM {self.name} USING {self._unnest(self.primary)} " \
+                       f"WHERE {self._match()}"
+
+    def _unnest(self, columns: Sequence[str]) -> str:
+        arrays = ", ".join(f"CAST(%(a_{c})s AS {self._types[c]}[])" for c in columns)
+        return f"unnest({arrays}) AS r({', '.join(self._quote(c) for c in columns)})"
+
+    def _match(self) -> str:
+        return " AND ".join(f"{self.name}.{self._quote(c)} = r.{self._quote(c)}"
+                            for c in self.primary)
+
+    def _params(self, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> dict[str, Any]:
+        params = {}
+        for c in columns:
+            values = [row[c] for row in rows]
+            if c in self._floats:
+                values = [None if v is None else float(v) for v in values]
+            params[f"a_{c}"] = values
+        return params
+
+    def repeats_a_row(self, rows: Sequence[dict[str, Any]]) -> bool:
+        """Whether two of `rows` share a primary key: one statement may not write a row twice."""
+        return len({tuple(row[c] for c in self.primary) for row in rows}) < len(rows)
+
+    def upsert(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Insert `rows` (dicts with every column of `columns`), or update the `updates`
+        columns of those there; no two may share a primary key (repeats_a_row)."""
+        conn.exec_driver_sql(self._upsert, self._params(rows, self.columns))
+
+    def update(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Set every column of `columns` of the rows there, found by the primary key."""
+        conn.exec_driver_sql(self._update, self._params(rows, self.columns))
+
+    def delete(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Delete the rows whose primary keys `rows` give."""
+        conn.exec_driver_sql(self._delete, self._params(rows, self.primary))
+
+
 class _Statements:
     """The statements of one grant/lease table, built once."""
 
@@ -82,12 +151,11 @@ class _Statements:
             rows = _of_many(select(table.c.key, *(table.c[c] for c in columns)), table, postgres)
             self.select[postgres] = rows.order_by(rows.selected_columns[order],
                                                   rows.selected_columns[id_column])
-        # SET columns come from each parameter set's keys.
+        # On SQLite, one row per parameter set; SET columns come from its keys.
         self.update = update(table).where(_of_key(table), ident == bindparam("b_id"))
-        self.delete_any = delete(table).where(
-            _of_key(table), ident == sa.any_(bindparam("b_ids", type_=_STRINGS)))
         self.delete_one = delete(table).where(_of_key(table), ident == bindparam("b_id"))
         self.copy_columns = [c.name for c in table.columns]
+        self.arrays = ArrayRows(table, ("semaphore", "key", *columns))
 
 
 _GRANTS = _Statements(grants, "grant_id", GRANT_COLUMNS, "created_at")
@@ -104,42 +172,24 @@ _UPDATE_KEY = update(keys).where(_of_key(keys))
 
 
 class ArrayUpsert:
-    """An upsert of many rows of `table` on PostgreSQL as one statement, INSERT ...
-    SELECT FROM unnest(one array per column) ON CONFLICT (primary key) DO UPDATE: the
-    rows are bound and sent once, where an executemany binds and sends each row (most
-    of a batch's Python time in the store). The conflict is found through the primary
-    key, as for one row. `single` is the one-row upsert, for rows that repeat a primary
-    key (one statement may not update a row twice)."""
+    """An upsert of many rows on PostgreSQL as one statement (ArrayRows.upsert); rows that
+    repeat a primary key go one by one (`single`), as one statement may not update a
+    row twice."""
 
     def __init__(self, table: sa.Table, columns: tuple[str, ...],
                  updates: tuple[str, ...]) -> None:
-        self.columns = columns
-        self.primary = tuple(c.name for c in table.primary_key.columns)
+        self.rows = ArrayRows(table, columns, updates)
         single = postgresql.insert(table)
-        index = [table.c[c] for c in self.primary]
+        index = [table.c[c] for c in self.rows.primary]
         self.single = single.on_conflict_do_update(
             index_elements=index, set_={c: single.excluded[c] for c in updates})
-        arrays = [bindparam(f"a_{c}", type_=postgresql.ARRAY(table.c[c].type))
-                  for c in columns]
-        rows = sa.func.unnest(*arrays).table_valued(*columns).render_derived(name="r")
-        many = postgresql.insert(table).from_select(list(columns), select(*rows.c))
-        self.many = many.on_conflict_do_update(
-            index_elements=index, set_={c: many.excluded[c] for c in updates})
-        # psycopg types a list by its elements: an int among floats must not decide it.
-        self._floats = {c for c in columns if isinstance(table.c[c].type, sa.Float)}
 
     def execute(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """Upsert `rows` (dicts with every column of `columns`)."""
-        if len({tuple(row[c] for c in self.primary) for row in rows}) < len(rows):
+        if self.rows.repeats_a_row(rows):
             conn.execute(self.single, rows)
             return
-        params = {}
-        for c in self.columns:
-            values = [row[c] for row in rows]
-            if c in self._floats:
-                values = [None if v is None else float(v) for v in values]
-            params[f"a_{c}"] = values
-        conn.execute(self.many, params)
+        self.rows.upsert(conn, rows)
 
 
 # Key rows are written as an upsert of rows that exist (locked by load_many): one

@@ -95,13 +95,9 @@ class _TableWrites:
             if before == item:
                 continue
             changed = True
-            row = {c: getattr(item, c) for c in stmts.columns}
-            if before is None:
-                self.inserted.append({"semaphore": where["b_semaphore"],
-                                      "key": where["b_key"], **row})
-            else:
-                del row[stmts.id_column]
-                self.updated.append({**where, "b_id": ident, **row})
+            row = {"semaphore": where["b_semaphore"], "key": where["b_key"],
+                   **{c: getattr(item, c) for c in stmts.columns}}
+            (self.inserted if before is None else self.updated).append(row)
         gone = [ident for ident in old_by_id if ident not in new_ids]
         if gone:
             self.deleted.append((where, gone))
@@ -110,14 +106,22 @@ class _TableWrites:
     def flush(self, conn: Connection) -> None:
         if self.inserted:
             _insert(conn, self.stmts, self.inserted)
-        if self.updated:
-            conn.execute(self.stmts.update, self.updated)
-        if not self.deleted:
+        if _postgres(conn):  # one statement each, whatever the batch (sql.ArrayRows)
+            if self.updated:
+                self.stmts.arrays.update(conn, self.updated)
+            if self.deleted:
+                self.stmts.arrays.delete(conn, [
+                    {"semaphore": where["b_semaphore"], "key": where["b_key"],
+                     self.stmts.id_column: ident}
+                    for where, ids in self.deleted for ident in ids])
             return
-        if _postgres(conn):
-            conn.execute(self.stmts.delete_any,
-                         [{**where, "b_ids": ids} for where, ids in self.deleted])
-        else:
+        id_column = self.stmts.id_column
+        if self.updated:
+            conn.execute(self.stmts.update, [
+                {"b_semaphore": row["semaphore"], "b_key": row["key"], "b_id": row[id_column],
+                 **{c: row[c] for c in self.stmts.columns if c != id_column}}
+                for row in self.updated])
+        if self.deleted:
             conn.execute(self.stmts.delete_one,
                          [{**where, "b_id": i} for where, ids in self.deleted for i in ids])
 
@@ -184,5 +188,9 @@ class _ClientWrites:
             _UPSERT_CLIENTS_POSTGRES.execute(conn, self.added)
         elif self.added:
             conn.execute(_UPSERT_CLIENTS_SQLITE, self.added)
-        if self.gone:
+        if self.gone and _postgres(conn):
+            _UPSERT_CLIENTS_POSTGRES.rows.delete(conn, [
+                {"semaphore": row["b_semaphore"], "key": row["b_key"], "client_id": row["b_id"]}
+                for row in self.gone])
+        elif self.gone:
             conn.execute(_DELETE_CLIENT, self.gone)
