@@ -128,14 +128,13 @@ class Pressure:
         until the next one."""
         target = _target(shortest)
         peak, self._peak = self._peak, 0.0
-        growing = peak >= self._last_peak
         self._last_peak = peak
-        if peak > target and growing:
+        if peak > target:
             # The excess lag moves into the periods: clients then spend it away from
-            # the holder. Too much is the safe side (they ask a little less often),
-            # so it grows at each look while the lag does: a request already parked
-            # waits for the period its reply told plus the lag.
-            self.extra = min(MAX_EXTRA, self.extra + peak - target)
+            # the holder. It is set, not added: looks that follow still see the lag of
+            # requests told before the stretch, and adding each one's would stretch
+            # far past what the holder can serve, leaving it idle for many periods.
+            self.extra = max(self.extra, min(MAX_EXTRA, peak - target))
             return MIN_ADJUST
         if peak < target / 2 and self.extra > 0.0:
             self.extra *= SHRINK
