@@ -155,6 +155,8 @@ class DurabilitySemaphore:
             raise ConfigurationError(
                 f"database must be a URL or a SQLAlchemy Engine, got {type(database).__name__}"
             )
+        # Key rows carry a revision on PostgreSQL only (store.cache).
+        self._cache = store.StateCache() if self._engine.dialect.name == "postgresql" else None
 
     def __repr__(self) -> str:
         return f"DurabilitySemaphore({self.name!r}, database={self._engine.url!r})"
@@ -234,11 +236,19 @@ class DurabilitySemaphore:
             # Resolved before BEGIN too: a slow limit callback never holds key rows locked.
             todo[key] = (index, parsed, KeyLimits(self._limits, key))
         if todo:
+            committed: list[tuple[str, str, KeyState]] = []
+
+            def body(conn: Connection) -> dict[str, list[dict[str, Any]] | Exception]:
+                committed.clear()  # run again on a fresh connection: its own writes only
+                return self._rounds(conn, todo, at, committed)
+
             try:
-                done = store.run_transaction(
-                    self._engine, lambda conn: self._rounds(conn, todo, at), write=True)
+                done = store.run_transaction(self._engine, body, write=True)
             except _NoneCommitted as failed:
                 done = failed.results
+            else:
+                if self._cache is not None:
+                    self._cache.put(committed)
             for key, result in done.items():
                 results[todo[key][0]] = result
         return [r if r is not None else RuntimeError("no result") for r in results]
@@ -253,11 +263,13 @@ class DurabilitySemaphore:
             raise CallerError(f"key {key!r} appears twice in the batch")
         return key, messages
 
-    def _rounds(self, conn: Connection,
-                todo: dict[str, tuple[int, Parsed, KeyLimits]],
-                at: float) -> dict[str, list[dict[str, Any]] | Exception]:
-        """The body of `run_rounds`' transaction (run again if its connection was dead)."""
-        olds = store.load_many(conn, self.name, todo)
+    def _rounds(self, conn: Connection, todo: dict[str, tuple[int, Parsed, KeyLimits]],
+                at: float, committed: list[tuple[str, str, KeyState]],
+                ) -> dict[str, list[dict[str, Any]] | Exception]:
+        """The body of `run_rounds`' transaction (run again if its connection was dead);
+        `committed` gets (key, revision, state) of each key saved, for the cache once
+        the transaction has committed."""
+        olds = store.load_many(conn, self.name, todo, cache=self._cache)
         done: dict[str, list[dict[str, Any]] | Exception] = {}
         changes = []
         for key, (_, messages, limits) in todo.items():
@@ -271,7 +283,9 @@ class DurabilitySemaphore:
             done[key] = list(result.responses)
         if not changes:
             raise _NoneCommitted(done)  # roll back the key rows a failed first round made
-        store.save_many(conn, changes, now=at)
+        revisions = store.save_many(conn, changes, now=at)
+        committed.extend((new.key, revisions[new.semaphore, new.key], new)
+                         for _, new in changes if (new.semaphore, new.key) in revisions)
         unused = [key for key, result in done.items()
                   if isinstance(result, Exception) and olds[key].rounds == 0]
         if unused:

@@ -2,6 +2,7 @@
 # for tests and embedding, memory.py (each key's state in a dict); contract.py is
 # the round API both give.
 # Rule: they hold no allocation policy; the pure core decides, the store persists.
+from .cache import StateCache
 from .contract import Store
 from .engine import create_engine, prepare_engine, run_transaction, transaction
 from .memory import MemorySemaphore
@@ -41,6 +42,7 @@ __all__ = [
     "read",
     "save",
     "load_many",
+    "StateCache",
     "forget_unused_keys",
     "save_many",
     # queries

@@ -20,6 +20,7 @@ from ..core.keystate import ClientSeen
 from ..core.round import KeyState
 from ..core.state import Grant, Lease
 from ..wire.reply import Blocked
+from .cache import StateCache
 from .schema import clients, grants, keys, leases
 
 GRANT_COLUMNS = tuple(f.name for f in fields(Grant))
@@ -68,6 +69,8 @@ def _of_many(query: sa.Select[Any], table: sa.Table, postgres: bool, *,
     return query.where(_of_keys(table))
 
 
+Revisions = dict[tuple[Any, ...], str]
+"""Revisions of rows written (store.cache), by primary key."""
 _POSTGRES = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 
@@ -81,7 +84,7 @@ class ArrayRows:
     the table's statistics."""
 
     def __init__(self, table: sa.Table, columns: tuple[str, ...],
-                 updates: tuple[str, ...] = ()) -> None:
+                 updates: tuple[str, ...] = (), *, revisions: bool = False) -> None:
         quote = _POSTGRES.identifier_preparer.quote
         self.columns = columns
         self.primary = tuple(c.name for c in table.primary_key.columns)
@@ -95,6 +98,9 @@ class ArrayRows:
             f"INSERT INTO {self.name} ({names}) SELECT {names} FROM {self._unnest(columns)}"
             f" ON CONFLICT ({', '.join(quote(c) for c in self.primary)}) DO UPDATE SET "
             + ", ".join(f"{quote(c)} = EXCLUDED.{quote(c)}" for c in updates))
+        self._revisions = revisions
+        if revisions:
+            self._upsert += f" RETURNING {', '.join(quote(c) for c in self.primary)}, xmin::text"
         rest = [c for c in columns if c not in self.primary]
         self._update = (
             f"UPDATE {self.name} SET " + ", ".join(f"{quote(c)} = r.{quote(c)}" for c in rest)
@@ -123,10 +129,12 @@ class ArrayRows:
         """Whether two of `rows` share a primary key: one statement may not write a row twice."""
         return len({tuple(row[c] for c in self.primary) for row in rows}) < len(rows)
 
-    def upsert(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    def upsert(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> Revisions:
         """Insert `rows` (dicts with every column of `columns`), or update the `updates`
-        columns of those there; no two may share a primary key (repeats_a_row)."""
-        conn.exec_driver_sql(self._upsert, self._params(rows, self.columns))
+        columns of those there; no two may share a primary key (repeats_a_row). With
+        `revisions`, returns each row's revision (its xmin: store.cache) by primary key."""
+        result = conn.exec_driver_sql(self._upsert, self._params(rows, self.columns))
+        return {tuple(row[:-1]): row[-1] for row in result} if self._revisions else {}
 
     def update(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         """Set every column of `columns` of the rows there, found by the primary key."""
@@ -161,12 +169,17 @@ class _Statements:
 _GRANTS = _Statements(grants, "grant_id", GRANT_COLUMNS, "created_at")
 _LEASES = _Statements(leases, "lease_id", LEASE_COLUMNS, "issued_at")
 _KEY_COLUMNS = (keys.c.key, keys.c.last_round_at, keys.c.rounds, keys.c.limit, keys.c.blocked)
-_SELECT_KEYS = {postgres: _of_many(select(*_KEY_COLUMNS), keys, postgres)
+# The row's revision (store.cache): PostgreSQL's xmin, the transaction that last wrote it.
+_REVISION: dict[bool, sa.Label[Any]] = {
+    True: sa.cast(sa.literal_column(f"{keys.name}.xmin"), sa.Text).label("revision"),
+    False: sa.null().label("revision"),
+}
+_SELECT_KEYS = {postgres: _of_many(select(*_KEY_COLUMNS, _REVISION[postgres]), keys, postgres)
                 for postgres in (True, False)}
 # Locked in key order (the array's, sorted by load_many), so batches that overlap
 # wait for each other instead of deadlocking (on SQLite, BEGIN IMMEDIATE
 # serializes rounds).
-_LOCK_KEYS = {True: _of_many(select(*_KEY_COLUMNS), keys, True, lock=True),
+_LOCK_KEYS = {True: _of_many(select(*_KEY_COLUMNS, _REVISION[True]), keys, True, lock=True),
               False: _SELECT_KEYS[False]}
 _UPDATE_KEY = update(keys).where(_of_key(keys))
 
@@ -177,19 +190,20 @@ class ArrayUpsert:
     row twice."""
 
     def __init__(self, table: sa.Table, columns: tuple[str, ...],
-                 updates: tuple[str, ...]) -> None:
-        self.rows = ArrayRows(table, columns, updates)
+                 updates: tuple[str, ...], *, revisions: bool = False) -> None:
+        self.rows = ArrayRows(table, columns, updates, revisions=revisions)
         single = postgresql.insert(table)
         index = [table.c[c] for c in self.rows.primary]
         self.single = single.on_conflict_do_update(
             index_elements=index, set_={c: single.excluded[c] for c in updates})
 
-    def execute(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
-        """Upsert `rows` (dicts with every column of `columns`)."""
+    def execute(self, conn: Connection, rows: list[dict[str, Any]]) -> Revisions:
+        """Upsert `rows` (dicts with every column of `columns`); the revisions of the rows
+        written by one statement (ArrayRows.upsert), none for rows written one by one."""
         if self.rows.repeats_a_row(rows):
             conn.execute(self.single, rows)
-            return
-        self.rows.upsert(conn, rows)
+            return {}
+        return self.rows.upsert(conn, rows)
 
 
 # Key rows are written as an upsert of rows that exist (locked by load_many): one
@@ -198,7 +212,8 @@ class ArrayUpsert:
 # not yet analyzed, took the deadline index and filtered every key of the semaphore.
 _KEY_WRITES = ("last_round_at", "rounds", "limit", "next_claim_deadline", "blocked",
                "updated_at")
-_WRITE_KEYS_POSTGRES = ArrayUpsert(keys, ("semaphore", "key", *_KEY_WRITES), _KEY_WRITES)
+_WRITE_KEYS_POSTGRES = ArrayUpsert(keys, ("semaphore", "key", *_KEY_WRITES), _KEY_WRITES,
+                                   revisions=True)
 _DELETE_UNUSED_KEYS = {
     True: delete(keys).where(keys.c.semaphore == bindparam("b_semaphore"), keys.c.rounds == 0,
                              keys.c.key == sa.any_(bindparam("b_keys", type_=_STRINGS))),
@@ -266,12 +281,16 @@ def load(conn: Connection, semaphore: str, key: str) -> KeyState:
     return load_many(conn, semaphore, [key])[key]
 
 
-def load_many(conn: Connection, semaphore: str, wanted: Iterable[str]) -> dict[str, KeyState]:
+def load_many(conn: Connection, semaphore: str, wanted: Iterable[str], *,
+              cache: StateCache | None = None) -> dict[str, KeyState]:
     """The states of `wanted` keys of `semaphore` for one round each: their key rows are
     inserted if missing and locked, all before any grant or lease is read, so a
     concurrent round for one of these keys waits here and then reads what it committed
     (or, if `prune_keys` deleted a row meanwhile, finds none and starts that key
-    afresh). One statement per table reads the whole batch.
+    afresh). One statement per table reads the whole batch. A key whose locked row
+    still has the revision `cache` keeps its state under is not read further; when the
+    cache knows every key, none is inserted first (a row pruned meanwhile is found
+    missing, and inserted then).
 
     Deadlock-free between batches: every batch first inserts its missing rows in key
     order (an insert waits for another transaction's insert of the same key), then
@@ -280,14 +299,15 @@ def load_many(conn: Connection, semaphore: str, wanted: Iterable[str]) -> dict[s
     rows: dict[str, tuple[Any, ...]] = {}
     fresh: list[str] = []
     pending = sorted(set(wanted))
-    for _ in range(3):  # a row pruned between a lost insert and its read: insert again
+    for attempt in range(3):  # a row pruned between a lost insert and its read: insert again
         # Two racing first rounds both insert; the loser's insert does nothing
         # (PostgreSQL waits for the winner's commit) and it reads what the winner
         # wrote. A row this transaction inserted is new and locked by the insert, and
         # nothing refers to a key without a row (rows hang off a key only from its
         # rounds, and prune_keys deletes a row only when none does): its state is the
         # empty one, and reading it would cost statements for nothing.
-        made = _insert_keys(conn, semaphore, pending)
+        known = attempt == 0 and cache is not None and all(map(cache.knows, pending))
+        made = set() if known else _insert_keys(conn, semaphore, pending)
         fresh.extend(made)
         rest = [key for key in pending if key not in made]
         found = _key_rows(conn, semaphore, rest, lock=True) if rest else {}
@@ -298,6 +318,12 @@ def load_many(conn: Connection, semaphore: str, wanted: Iterable[str]) -> dict[s
     if pending:
         raise RuntimeError(f"the key rows of {semaphore}/{pending} keep disappearing")
     states = {key: KeyState(semaphore=semaphore, key=key) for key in fresh}
+    if cache is not None:
+        for key, row in list(rows.items()):
+            kept = cache.get(key, row[-1])
+            if kept is not None:
+                states[key] = kept
+                del rows[key]
     states.update(_states(conn, semaphore, rows))
     return states
 
@@ -364,7 +390,7 @@ def _states(conn: Connection, semaphore: str,
     lease_rows = _children(conn, _LEASES.select, semaphore, wanted)
     client_rows = _children(conn, _SELECT_CLIENTS, semaphore, wanted)
     states = {}
-    for key, (last_round_at, rounds, limit, blocked) in rows.items():
+    for key, (last_round_at, rounds, limit, blocked, _) in rows.items():
         states[key] = KeyState(
             semaphore=semaphore,
             key=key,

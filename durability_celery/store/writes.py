@@ -35,12 +35,14 @@ def save(conn: Connection, old: KeyState, new: KeyState, *, now: float | None = 
 
 
 def save_many(conn: Connection, changes: Iterable[tuple[KeyState, KeyState]], *,
-              now: float | None = None) -> None:
+              now: float | None = None) -> dict[tuple[str, str], str]:
     """Write what changed from each `old` (as loaded) to its `new`, inside the caller's
     transaction.
 
-    Grants and leases absent from `new` are deleted. A key row is written only when
-    something of its key changed; `now` stamps its `updated_at`.
+    Grants and leases absent from `new` are deleted. A key row is written whenever
+    something of its key changed (store.cache relies on it); `now` stamps its
+    `updated_at`. Returns the revision of each (semaphore, key) row written, on
+    PostgreSQL (store.cache).
     """
     grants, leases, clients = _TableWrites(_GRANTS), _TableWrites(_LEASES), _ClientWrites()
     key_rows: list[dict[str, Any]] = []
@@ -59,10 +61,12 @@ def save_many(conn: Connection, changes: Iterable[tuple[KeyState, KeyState]], *,
     leases.flush(conn)
     clients.flush(conn)
     if key_rows and _postgres(conn):
-        _WRITE_KEYS_POSTGRES.execute(conn, [
+        written = _WRITE_KEYS_POSTGRES.execute(conn, [
             {"semaphore": r.pop("b_semaphore"), "key": r.pop("b_key"), **r} for r in key_rows])
-    elif key_rows:
+        return {(semaphore, key): revision for (semaphore, key), revision in written.items()}
+    if key_rows:
         conn.execute(_UPDATE_KEY, key_rows)
+    return {}
 
 
 def _key_row(state: KeyState) -> dict[str, Any]:
