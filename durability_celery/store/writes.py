@@ -23,6 +23,7 @@ from .sql import (
     _UPSERT_CLIENTS_POSTGRES,
     _UPSERT_CLIENTS_SQLITE,
     _WRITE_KEYS_POSTGRES,
+    Revisions,
     _blocked_to_json,
     _postgres,
     _Statements,
@@ -35,7 +36,7 @@ def save(conn: Connection, old: KeyState, new: KeyState, *, now: float | None = 
 
 
 def save_many(conn: Connection, changes: Iterable[tuple[KeyState, KeyState]], *,
-              now: float | None = None) -> dict[tuple[str, str], str]:
+              now: float | None = None) -> Revisions:
     """Write what changed from each `old` (as loaded) to its `new`, inside the caller's
     transaction.
 
@@ -61,9 +62,8 @@ def save_many(conn: Connection, changes: Iterable[tuple[KeyState, KeyState]], *,
     leases.flush(conn)
     clients.flush(conn)
     if key_rows and _postgres(conn):
-        written = _WRITE_KEYS_POSTGRES.execute(conn, [
+        return _WRITE_KEYS_POSTGRES.execute(conn, [  # by (semaphore, key), its primary key
             {"semaphore": r.pop("b_semaphore"), "key": r.pop("b_key"), **r} for r in key_rows])
-        return {(semaphore, key): revision for (semaphore, key), revision in written.items()}
     if key_rows:
         conn.execute(_UPDATE_KEY, key_rows)
     return {}
