@@ -46,9 +46,11 @@ holding them returns them only after the broker's visibility_timeout, and a busy
 would hold messages that another worker with free slots could have run."""
 PUMP_INTERVAL = 0.05
 """Seconds between pumps when nothing wakes the gate earlier."""
-HANDOFF_LINGER = 0.25
+HANDOFF_LINGER = 0.05
 """Seconds a permit whose task ended waits for the next task of its key, when nobody
-else waits for the key (SemaphoreClient.handoff_linger)."""
+else waits for the key as far as its last reply said (SemaphoreClient.handoff_linger).
+Enough for a message already on its way here; longer, it strands the permit from a
+worker whose request reached the holder after that reply."""
 CHAIN_BUDGET = 1.0
 """Seconds a solo worker runs admitted tasks back to back before Celery's loop turns
 (GateStep.run_deferred). Handing each task to the loop's next turn instead cost up to a
