@@ -247,10 +247,13 @@ class Talk:
         else:
             self.urgent.discard(key)
         if contended:
-            # Undrawn lease permits of groups where nothing is queued go back.
+            # Undrawn lease permits go back where nothing of their group is queued, and
+            # where the pool has no room for the key: kept, they would wait for this
+            # worker's slots while another worker could run the key's work now.
             queued = self._queues.get(key, {})
+            full = self._room.of(key) == 0
             for lease in ledger.leases.values():
-                if lease.group not in queued:
+                if full or lease.group not in queued:
                     lease.stop()
         # Only this key's copies changed; time's changes to the others are due()'s.
         self._permits.release_idle(now, recheck=True, key=key)

@@ -335,6 +335,27 @@ def test_contended_stops_idle_leases_and_reports_them_promptly() -> None:
     assert client.admit() == []  # the stopped lease draws no more
 
 
+@pytest.mark.parametrize("free", [0, 1])
+def test_contended_stops_a_lease_the_full_pool_cannot_draw_from(free: int) -> None:
+    # Items of the lease's group are queued, but every slot is taken by a running item
+    # of the same group (no soon-free slot): the undrawn permits would wait here.
+    clock = FakeClock()
+    client = make_client(clock, handoff_window=60.0)
+    client.capacity = 1 + free
+    slots = [1 + free]
+    client.free_slots = lambda: slots[0]
+    for n in range(3):
+        client.enqueue(KEY, None, f"t{n}", enqueued_at=1.0 + n)
+    client.message(KEY)
+    leases = [lease("l1", permits=3, expires_at=clock.now + 100)]
+    client.on_response(KEY, reply(clock.now, leases=leases))
+    assert [p.item_id for p in client.admit(limit=1)] == ["t0"]
+    slots[0] = free
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, leases=leases, contended=True))
+    assert lease_reports(client.message(KEY)) == {"l1": (1, 0, not free)}
+
+
 def test_retired_lease_stops_drawing_and_is_reported_stopped_until_settled() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, permits=4)
