@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from operator import attrgetter, itemgetter
 from typing import Literal, NamedTuple, Protocol
@@ -263,16 +264,22 @@ class Permits:
                          now: float) -> bool:
         """Whether an item of another key or group, queued before `successor`, could take
         the slot instead: it has a permit at hand, or its group was not left blocked by
-        its key's last reply (a round trip away). The pool is shared by every key, and
-        passing a permit on within its key would keep the keys already running in the
-        slots while older work of others waits: with no free slot, those keys would not
-        even ask for permits."""
+        its key's last reply (a round trip away), and its key runs no more items here
+        than `key` now does. The pool is shared by every key, and passing a permit on
+        within its key would keep the keys already running in the slots while older work
+        of others waits: with no free slot, those keys would not even ask for permits.
+        But a key that gave its only slot to older work of a key already running here
+        lost it at every end: a key of limit 1, a serial chain, then finished last."""
+        running: Counter[str] | None = None
         for other, groups in self._queues.items():
             for other_group, queue in groups.items():
                 if ((other, other_group) != (key, group) and queue[0] < successor
                         and (not self._blocked(other, other_group)
                              or self.held(other, other_group, now) > 0)):
-                    return True
+                    if running is None:
+                        running = Counter(p.key for p in self.admitted.values())
+                    if running[other] <= running[key]:
+                        return True
         return False
 
     def _older_waits(self, key: str, group: str | None, successor: Order) -> bool:

@@ -748,3 +748,24 @@ def test_an_older_item_of_another_key_takes_the_slot_unless_it_is_blocked(
     assert (passed is not None) is passed_on
     if not passed_on:
         assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
+@pytest.mark.parametrize(("running", "passed_on"), [(0, False), (1, True)])
+def test_the_slot_goes_to_an_older_item_of_a_key_running_no_more_here(
+        running: int, passed_on: bool) -> None:
+    # The ending item was its key's only one running here: an older item of a key that
+    # already runs one here does not take its slot, or a serial chain (a key of limit 1)
+    # would give up its only slot at every end.
+    clock = FakeClock()
+    client = granted(clock, items=((None, "young", 9.0),))
+    for n in range(running):
+        client.enqueue("acct-2", None, f"acct-2-run-{n}", enqueued_at=0.5)
+    client.message("acct-2")
+    client.on_response("acct-2", reply(clock.now, key="acct-2", grants=[
+        grant("g2", permits=running, claim_deadline=clock.now + 10)] if running else []))
+    assert len(client.admit()) == running
+    client.enqueue("acct-2", None, "older", enqueued_at=2.0)
+    passed = client.pass_on("run-0")
+    assert (passed is not None) is passed_on
+    if passed is not None:
+        assert passed.item_id == "young"
