@@ -246,7 +246,7 @@ class Talk:
             self.urgent.add(key)
         else:
             self.urgent.discard(key)
-        if contended:
+        if contended and ledger.leases:
             # Undrawn lease permits go back where nothing of their group is queued, and
             # where the pool has no room for the key: kept, they would wait for this
             # worker's slots while another worker could run the key's work now.

@@ -124,14 +124,14 @@ class Cluster:
         return int(self.ledger.get(name) or 0)
 
     def wait_for(self, what: str, check: Callable[[], bool], *, timeout: float,
-                 context: Callable[[], str] = str) -> None:
+                 context: Callable[[], str] = str, interval: float = 0.1) -> None:
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- {p.name} ({p.log_path}) ---\n{log_digest(p.log())}"
                                   for p in self.workers)
                 pytest.fail(f"timed out waiting for {what}: {context()}\n{logs}", pytrace=False)
-            time.sleep(0.1)
+            time.sleep(interval)
 
     def publish(self, n: int, *, key: str, group: str | None = None,
                 work: float = 0.2, mode: str | None = None) -> list[str]:

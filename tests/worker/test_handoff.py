@@ -75,12 +75,10 @@ def test_solo_runs_an_admitted_task_inside_the_delivery_of_its_message(
     ids: list[str] = []
     for _ in range(12):  # one at a time: none is held behind another
         [task] = cluster.publish(1, key="sk", work=0.0, mode="where")
-        deadline = time.monotonic() + 30
         # Published as soon as the last one ends: a finished task's permit lingers only
         # a moment (HANDOFF_LINGER) for the next task of its key.
-        while task not in cluster.ends():
-            assert time.monotonic() < deadline, "the task did not end"
-            time.sleep(0.002)
+        cluster.wait_for("the task to end", lambda t=task: t in cluster.ends(), timeout=30,
+                         interval=0.002)
         ids.append(task)
     cluster.drained(ids, "sk", timeout=60)
     where = cluster.in_delivery()
