@@ -48,6 +48,13 @@ class StateCache:
             self._entries.move_to_end(key)
             return entry[1]
 
+    def peek(self, key: str) -> KeyState | None:
+        """The state last committed for `key`, whatever the key row's revision now; `get`
+        says, under the row lock, whether it is still the key's state."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry[1]
+
     def put(self, committed: Iterable[tuple[str, str, KeyState]]) -> None:
         """Keep each (key, revision, state) just committed, as load_many reads it back."""
         now = self._clock()

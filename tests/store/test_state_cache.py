@@ -69,6 +69,37 @@ def test_another_writer_is_seen_through_the_key_rows_revision(
     assert [g["permits"] for g in after["grants"]] == [1]
 
 
+def test_the_core_runs_before_begin_unless_another_writer_changed_the_key(
+        make_sem: SemFactory, clock: FakeClock) -> None:
+    # The core asks can_grant for each demand; whether a transaction is open then says
+    # where the core ran. A guess made on a state someone else replaced is run again.
+    asked_in_transaction: list[bool] = []
+    open_now = [False]
+
+    def can_grant(key: str, client_id: str, group: str | None) -> bool:
+        asked_in_transaction.append(open_now[0])
+        return True
+
+    name = "guessed"
+    one = make_sem(name=name, limit=1, clock=clock, can_grant=can_grant)
+    two = make_sem(name=name, limit=1, clock=clock)
+    sa.event.listen(one.engine, "begin", lambda conn: open_now.__setitem__(0, True))
+    for ended in ("commit", "rollback"):
+        sa.event.listen(one.engine, ended, lambda conn: open_now.__setitem__(0, False))
+    [first] = one.run_round("k", [request(one, "k", "w1", demand=[(None, 1, clock.now)])])
+    [grant] = first["grants"]
+    clock.advance(2.0)
+    one.run_round("k", [request(one, "k", "w1", grants=[(grant["grant_id"], 1, 0)],
+                                demand=[(None, 1, clock.now)])])
+    assert asked_in_transaction == [False, False]  # a new key, then one it committed
+    clock.advance(2.0)
+    two.run_round("k", [request(two, "k", "w1", grants=[(grant["grant_id"], 1, 1)])])
+    asked_in_transaction.clear()
+    [answer] = one.run_round("k", [request(one, "k", "w2", demand=[(None, 1, clock.now)])])
+    assert asked_in_transaction == [False, True]  # the guess, then the round on w1's release
+    assert [g["permits"] for g in answer["grants"]] == [1]
+
+
 def test_a_key_pruned_while_cached_starts_afresh(make_sem: SemFactory, clock: FakeClock) -> None:
     sem = make_sem(limit=1, clock=clock)
     sem.run_round("k", [request(sem, "k", "w1")])  # holds nothing afterwards
