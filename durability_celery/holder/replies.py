@@ -210,7 +210,8 @@ class ReplyPublisher:
 
 
 class _RedisPushes:
-    """Replies buffered for one Redis channel, each as the text kombu would push."""
+    """Replies buffered for one Redis channel, each as the text kombu would push (but for
+    the body's compact JSON: compat.wire.redis_envelope)."""
 
     def __init__(self, channel: Any) -> None:
         self._channel = channel
