@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from durability_celery.worker.gate.hold import SHED_AFTER
 from tests.worker.conftest import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -129,6 +130,9 @@ def test_a_worker_whose_pool_fills_gives_back_what_it_raised_prefetch_for(
     control = cluster.app.control
     control.cancel_consumer(shared, destination=[node_a], reply=True, timeout=5)
     control.add_consumer(shared, destination=[node_b], reply=True, timeout=5)
+    # Each held message may go back once held SHED_AFTER: past it for all three, the
+    # youngest go; a pool filled in between could only shed the older ones.
+    time.sleep(SHED_AFTER)
 
     filler = str(cluster.plain.apply_async(kwargs={"published_at": time.time(), "work": 20.0},
                                            queue=only_a).id)
