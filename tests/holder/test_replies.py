@@ -1,10 +1,10 @@
 # The holder's reply publisher on a real Redis: inside a batch replies are
 # buffered and pushed together when it ends, by the publisher itself (on every
 # kombu), as the text kombu's Producer pushes but for the body's compact JSON,
-# which a kombu consumer takes as kombu's own; each to its queue with its correlation id and the
-# queue's expiry; outside one, by kombu at once; a broker lost before a batch
-# ends drops that batch's replies with a log line, and the next reply goes out
-# on a new connection.
+# which a kombu consumer takes as kombu's own; each to its queue with its
+# correlation id and the queue's expiry; outside one, by kombu at once; a broker
+# lost before a batch ends drops that batch's replies with a log line, and the
+# next reply goes out on a new connection.
 from __future__ import annotations
 
 import base64
