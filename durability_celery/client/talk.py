@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Protocol
+
+from msgspec.structs import replace
 
 from ..wire.request import MAX_QUEUED_AT, MAX_QUEUED_AT_TOTAL, DemandEntry
 from .copies import LeaseCopy

@@ -10,6 +10,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ..wire.reply import BlockedReason
 from ..wire.request import DemandEntry
 from .config import Leases, Over, RoundConfig, Under
@@ -25,8 +27,7 @@ _Run = tuple[bool, float, int, int, _Runs]
 items, its later runs)."""
 
 
-@dataclass(frozen=True)
-class Demand:
+class Demand(msgspec.Struct, frozen=True):
     """One (client, group)'s demand in this round, with its message's arrival position."""
 
     client_id: str

@@ -4,7 +4,9 @@
 # is explicit, per client, and never decided here (the caller confirms death).
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from msgspec.structs import replace
 
 from .keystate import ClientSeen, KeyState
 
@@ -20,6 +22,11 @@ def seen(clients: tuple[ClientSeen, ...], holding: set[str], heard: set[str],
     """A round's new clients, by client id, for a state whose clients are `clients` and
     whose grants and leases are held by `holding`: the clients `heard` from stamped (see
     SEEN_RESOLUTION), and only clients that still hold something kept."""
+    order = sorted(holding)
+    if [c.client_id for c in clients] == order and all(
+            c.client_id not in heard or now - c.last_seen_at < SEEN_RESOLUTION
+            for c in clients):
+        return clients  # the usual round: the same holders, none due a new stamp
     stamps = {c.client_id: c.last_seen_at for c in clients}
     for client_id in heard:
         stamp = stamps.get(client_id)
@@ -27,7 +34,7 @@ def seen(clients: tuple[ClientSeen, ...], holding: set[str], heard: set[str],
             stamps[client_id] = now
     # A holder with no stamp (state written before stamps existed) counts as seen now.
     return tuple(ClientSeen(client_id, stamps.get(client_id, now))
-                 for client_id in sorted(holding))
+                 for client_id in order)
 
 
 @dataclass(frozen=True)

@@ -3,23 +3,22 @@
 # store writes the difference.
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from ..wire.reply import REASON_PRECEDENCE, Blocked, BlockedReason
 from .state import Grant, Lease
 
 
-@dataclass(frozen=True)
-class ClientSeen:
+class ClientSeen(msgspec.Struct, frozen=True):
     """When a client holding grants or leases of a key last reached its holder."""
 
     client_id: str
     last_seen_at: float
 
 
-@dataclass(frozen=True)
-class KeyState:
+class KeyState(msgspec.Struct, frozen=True):
     semaphore: str
     key: str
     grants: tuple[Grant, ...] = ()

@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
+
+import msgspec
 
 from ..errors import InvalidMessage
 from ..wire.error import error_response
@@ -28,15 +29,13 @@ __all__ = ["Blocked", "KeyState", "LimitSource", "Parsed", "RoundResult", "parse
            "reclaim", "run_round", "with_lease_deadline"]
 
 
-@dataclass(frozen=True)
-class RoundResult:
+class RoundResult(msgspec.Struct, frozen=True):
     state: KeyState
     responses: tuple[dict[str, Any], ...]
     """One per input message, in order; an error answer for each invalid one."""
 
 
-@dataclass(frozen=True)
-class Parsed:
+class Parsed(msgspec.Struct, frozen=True):
     """Messages for one key already parsed (parse_messages): a caller that holds locks
     while a round runs parses before it takes them, since parsing reads no state."""
 
@@ -152,7 +151,7 @@ def _with(state: KeyState, ledger: Ledger, config: RoundConfig, heard: set[str],
 def with_lease_deadline(state: KeyState, config: RoundConfig) -> KeyState:
     """`state` with its `lease_deadline` computed: whatever changes a state's leases
     outside a round or alarm (forgetting a client) calls this before it is saved."""
-    return replace(state, lease_deadline=_lease_deadline(state.leases, config))
+    return msgspec.structs.replace(state, lease_deadline=_lease_deadline(state.leases, config))
 
 
 def _lease_deadline(leases: tuple[Lease, ...], config: RoundConfig) -> float | None:
@@ -161,13 +160,14 @@ def _lease_deadline(leases: tuple[Lease, ...], config: RoundConfig) -> float | N
 
 
 def _blocked(allocation: Allocation) -> tuple[Blocked, ...]:
-    by_group: dict[str | None, list[tuple[int, Any]]] = {}
-    for (_, group), unmet in allocation.unmet.items():
-        by_group.setdefault(group, []).append(unmet)
-    return tuple(
-        Blocked(group, worst_reason([r for _, r in entries]), sum(c for c, _ in entries))
-        for group, entries in by_group.items()
-    )
+    by_group: dict[str | None, Blocked] = {}
+    for (_, group), (count, reason) in allocation.unmet.items():
+        seen = by_group.get(group)
+        if seen is not None:
+            count += seen.queued
+            reason = worst_reason([seen.reason, reason])
+        by_group[group] = Blocked(group, reason, count)
+    return tuple(by_group.values())
 
 
 def _over_limit(ledger: Ledger, limits: ResolvedLimits, config: RoundConfig) -> bool:

@@ -3,8 +3,9 @@
 # IllegalTransition naming the id, the state and the event.
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Literal
+
+import msgspec
 
 from ..errors import IllegalTransition
 
@@ -32,8 +33,7 @@ LEASE_MOVES: dict[tuple[str, str], LeaseStatus] = {
 }
 
 
-@dataclass(frozen=True)
-class Grant:
+class Grant(msgspec.Struct, frozen=True):
     """Permits given to one (client, group) in one round."""
 
     grant_id: str
@@ -83,8 +83,7 @@ class Grant:
                      self._move("reclaim"))
 
 
-@dataclass(frozen=True)
-class Lease:
+class Lease(msgspec.Struct, frozen=True):
     """A block of permits one (client, group) may draw locally, one per task."""
 
     lease_id: str
@@ -147,7 +146,7 @@ class Lease:
         ceiling = self.drawn if self.confirmed else self.permits
         new_drawn = max(self.drawn, min(drawn, ceiling))
         new_released = max(self.released, min(released, new_drawn))
-        return replace(
+        return msgspec.structs.replace(
             self,
             drawn=new_drawn,
             released=new_released,
@@ -159,7 +158,7 @@ class Lease:
 
     def retire(self) -> Lease:
         """Stop drawing; stay counted in full until the client confirms."""
-        return replace(self, status=self._move("retire"))
+        return msgspec.structs.replace(self, status=self._move("retire"))
 
     def expires_at(self, ttl: float | None, ack_timeout: float) -> float:
         """When the holder may retire it (unreported for `ttl`) or, unacknowledged,

@@ -44,7 +44,7 @@ class Usage:
         return self.outstanding + self.lease_footprint
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "blocked": [b.to_dict() for b in self.blocked]}
 
 
 def usage(state: KeyState, *, config: RoundConfig, limits: LimitSource, now: float) -> Usage:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import fields
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,8 +22,8 @@ from ..wire.reply import Blocked
 from .cache import StateCache
 from .schema import clients, grants, keys, leases
 
-GRANT_COLUMNS = tuple(f.name for f in fields(Grant))
-LEASE_COLUMNS = tuple(f.name for f in fields(Lease))
+GRANT_COLUMNS: tuple[str, ...] = Grant.__struct_fields__
+LEASE_COLUMNS: tuple[str, ...] = Lease.__struct_fields__
 """Column names are the dataclass field names (one vocabulary), in field order."""
 
 _IN_CHUNK = 500  # values per `IN (...)` on SQLite, well under its variable limit

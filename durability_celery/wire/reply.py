@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Literal, Protocol
+
+import msgspec
 
 from ..errors import InvalidMessage
 from .error import ErrorReply, parse_error
@@ -40,8 +41,7 @@ REASON_PRECEDENCE: tuple[BlockedReason, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Blocked:
+class Blocked(msgspec.Struct, frozen=True):
     """Demand of one group left queued by a round, and why."""
 
     group: str | None
@@ -57,8 +57,7 @@ MAX_WAITING = 16
 back at most one permit per listed item before its next reply tells again."""
 
 
-@dataclass(frozen=True)
-class Waiting:
+class Waiting(msgspec.Struct, frozen=True):
     """Items of one group that other clients could start now, left waiting by a round
     (beyond the spec): their enqueue times, oldest first. `reason` "limit": the key's
     limit held them back, and any permit of the key given back serves them; "group_limit":
@@ -69,8 +68,7 @@ class Waiting:
     queued_at: tuple[float, ...]
 
 
-@dataclass(frozen=True)
-class GrantView:
+class GrantView(msgspec.Struct, frozen=True):
     """One grant as the holder reported it in a reply."""
 
     grant_id: str
@@ -83,8 +81,7 @@ class GrantView:
     status: GrantReplyStatus
 
 
-@dataclass(frozen=True)
-class LeaseView:
+class LeaseView(msgspec.Struct, frozen=True):
     """One lease as the holder reported it in a reply."""
 
     lease_id: str
@@ -100,8 +97,7 @@ class LeaseView:
     lease; it is dropped at `expires_at` unless one does (absent from older holders)."""
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(msgspec.Struct, frozen=True):
     """A round's response for one key."""
 
     round_at: float

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from msgspec.structs import replace
 from support import reset_postgres
 
 from durability_celery import store
