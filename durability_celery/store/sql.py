@@ -73,13 +73,14 @@ Revisions = dict[tuple[Any, ...], str]
 _POSTGRES = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 
-class ArrayRows:
+class JsonRows:
     """Many rows of `table` written on PostgreSQL as one statement, joined to the table
-    through unnest(one array per column) by primary key: the rows are bound and sent
-    once, where an executemany binds and sends each row (most of a batch's Python time
-    in the store). The SQL is rendered once and run as the driver's own (exec_driver_sql),
-    each array cast to its column's type: SQLAlchemy would walk every element of every
-    array to bind it. Each row is found through the primary key, as for one row, whatever
+    through json_to_recordset(the rows as one JSON text) by primary key: the rows are
+    bound and sent once, where an executemany binds and sends each row (most of a
+    batch's Python time in the store), and encoded by the json module's C encoder, where
+    the driver would dump one array per column element by element in Python. The SQL is
+    rendered once and run as the driver's own (exec_driver_sql), each field read as its
+    column's type. Each row is found through the primary key, as for one row, whatever
     the table's statistics."""
 
     def __init__(self, table: sa.Table, columns: tuple[str, ...],
@@ -89,12 +90,10 @@ class ArrayRows:
         self.primary = tuple(c.name for c in table.primary_key.columns)
         self.name = quote(table.name)
         self._types = {c: table.c[c].type.compile(dialect=_POSTGRES) for c in columns}
-        # psycopg types a list by its elements: an int among floats must not decide it.
-        self._floats = {c for c in columns if isinstance(table.c[c].type, sa.Float)}
         self._quote = quote
         names = ", ".join(quote(c) for c in columns)
         self._upsert = (
-            f"INSERT INTO {self.name} ({names}) SELECT {names} FROM {self._unnest(columns)}"
+            f"INSERT INTO {self.name} ({names}) SELECT {names} FROM {self._recordset(columns)}"
             f" ON CONFLICT ({', '.join(quote(c) for c in self.primary)}) DO UPDATE SET "
             + ", ".join(f"{quote(c)} = EXCLUDED.{quote(c)}" for c in updates))
         self._revisions = revisions
@@ -103,26 +102,23 @@ class ArrayRows:
         rest = [c for c in columns if c not in self.primary]
         self._update = (
             f"UPDATE {self.name} SET " + ", ".join(f"{quote(c)} = r.{quote(c)}" for c in rest)
-            + f" FROM {self._unnest(columns)} WHERE {self._match()}")
-        self._delete = f"DELETE FROM {self.name} USING {self._unnest(self.primary)} " \
+            + f" FROM {self._recordset(columns)} WHERE {self._match()}")
+        self._delete = f"DELETE FROM {self.name} USING {self._recordset(self.primary)} " \
                        f"WHERE {self._match()}"
 
-    def _unnest(self, columns: Sequence[str]) -> str:
-        arrays = ", ".join(f"CAST(%(a_{c})s AS {self._types[c]}[])" for c in columns)
-        return f"unnest({arrays}) AS r({', '.join(self._quote(c) for c in columns)})"
+    def _recordset(self, columns: Sequence[str]) -> str:
+        fields = ", ".join(f"{self._quote(c)} {self._types[c]}" for c in columns)
+        return f"json_to_recordset(CAST(%(rows)s AS json)) AS r({fields})"
 
     def _match(self) -> str:
         return " AND ".join(f"{self.name}.{self._quote(c)} = r.{self._quote(c)}"
                             for c in self.primary)
 
-    def _params(self, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> dict[str, Any]:
-        params = {}
-        for c in columns:
-            values = [row[c] for row in rows]
-            if c in self._floats:
-                values = [None if v is None else float(v) for v in values]
-            params[f"a_{c}"] = values
-        return params
+    @staticmethod
+    def _params(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        # Fields beyond the statement's are ignored by json_to_recordset; a NaN or an
+        # infinity, which JSON cannot carry, raises rather than being written.
+        return {"rows": json.dumps(rows, allow_nan=False, separators=(",", ":"))}
 
     def repeats_a_row(self, rows: Sequence[dict[str, Any]]) -> bool:
         """Whether two of `rows` share a primary key: one statement may not write a row twice."""
@@ -132,16 +128,16 @@ class ArrayRows:
         """Insert `rows` (dicts with every column of `columns`), or update the `updates`
         columns of those there; no two may share a primary key (repeats_a_row). With
         `revisions`, returns each row's revision (its xmin: store.cache) by primary key."""
-        result = conn.exec_driver_sql(self._upsert, self._params(rows, self.columns))
+        result = conn.exec_driver_sql(self._upsert, self._params(rows))
         return {tuple(row[:-1]): row[-1] for row in result} if self._revisions else {}
 
     def update(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         """Set every column of `columns` of the rows there, found by the primary key."""
-        conn.exec_driver_sql(self._update, self._params(rows, self.columns))
+        conn.exec_driver_sql(self._update, self._params(rows))
 
     def delete(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         """Delete the rows whose primary keys `rows` give."""
-        conn.exec_driver_sql(self._delete, self._params(rows, self.primary))
+        conn.exec_driver_sql(self._delete, self._params(rows))
 
 
 class _Statements:
@@ -162,7 +158,7 @@ class _Statements:
         self.update = update(table).where(_of_key(table), ident == bindparam("b_id"))
         self.delete_one = delete(table).where(_of_key(table), ident == bindparam("b_id"))
         self.copy_columns = [c.name for c in table.columns]
-        self.arrays = ArrayRows(table, ("semaphore", "key", *columns))
+        self.bulk = JsonRows(table, ("semaphore", "key", *columns))
 
 
 _GRANTS = _Statements(grants, "grant_id", GRANT_COLUMNS, "created_at")
@@ -183,14 +179,14 @@ _LOCK_KEYS = {True: _of_many(select(*_KEY_COLUMNS, _REVISION[True]), keys, True,
 _UPDATE_KEY = update(keys).where(_of_key(keys))
 
 
-class ArrayUpsert:
-    """An upsert of many rows on PostgreSQL as one statement (ArrayRows.upsert); rows that
+class BulkUpsert:
+    """An upsert of many rows on PostgreSQL as one statement (JsonRows.upsert); rows that
     repeat a primary key go one by one (`single`), as one statement may not update a
     row twice."""
 
     def __init__(self, table: sa.Table, columns: tuple[str, ...],
                  updates: tuple[str, ...], *, revisions: bool = False) -> None:
-        self.rows = ArrayRows(table, columns, updates, revisions=revisions)
+        self.rows = JsonRows(table, columns, updates, revisions=revisions)
         single = postgresql.insert(table)
         index = [table.c[c] for c in self.rows.primary]
         self.single = single.on_conflict_do_update(
@@ -198,7 +194,7 @@ class ArrayUpsert:
 
     def execute(self, conn: Connection, rows: list[dict[str, Any]]) -> Revisions:
         """Upsert `rows` (dicts with every column of `columns`); the revisions of the rows
-        written by one statement (ArrayRows.upsert), none for rows written one by one."""
+        written by one statement (JsonRows.upsert), none for rows written one by one."""
         if self.rows.repeats_a_row(rows):
             conn.execute(self.single, rows)
             return {}
@@ -211,7 +207,7 @@ class ArrayUpsert:
 # not yet analyzed, took the deadline index and filtered every key of the semaphore.
 _KEY_WRITES = ("last_round_at", "rounds", "limit", "next_claim_deadline", "blocked",
                "updated_at")
-_WRITE_KEYS_POSTGRES = ArrayUpsert(keys, ("semaphore", "key", *_KEY_WRITES), _KEY_WRITES,
+_WRITE_KEYS_POSTGRES = BulkUpsert(keys, ("semaphore", "key", *_KEY_WRITES), _KEY_WRITES,
                                    revisions=True)
 _DELETE_UNUSED_KEYS = {
     True: delete(keys).where(keys.c.semaphore == bindparam("b_semaphore"), keys.c.rounds == 0,
@@ -253,7 +249,7 @@ def _upsert_clients_sqlite() -> Any:
 
 # Also how PostgreSQL stamps clients already there, for the reason of _WRITE_KEYS_POSTGRES.
 _UPSERT_CLIENTS_SQLITE = _upsert_clients_sqlite()
-_UPSERT_CLIENTS_POSTGRES = ArrayUpsert(
+_UPSERT_CLIENTS_POSTGRES = BulkUpsert(
     clients, ("semaphore", "key", "client_id", "last_seen_at"), ("last_seen_at",))
 _TOUCH_CLIENT = update(clients).where(_of_key(clients), clients.c.client_id == bindparam("b_id"))
 _DELETE_CLIENT = delete(clients).where(_of_key(clients), clients.c.client_id == bindparam("b_id"))

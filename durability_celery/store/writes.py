@@ -110,11 +110,11 @@ class _TableWrites:
     def flush(self, conn: Connection) -> None:
         if self.inserted:
             _insert(conn, self.stmts, self.inserted)
-        if _postgres(conn):  # one statement each, whatever the batch (sql.ArrayRows)
+        if _postgres(conn):  # one statement each, whatever the batch (sql.JsonRows)
             if self.updated:
-                self.stmts.arrays.update(conn, self.updated)
+                self.stmts.bulk.update(conn, self.updated)
             if self.deleted:
-                self.stmts.arrays.delete(conn, [
+                self.stmts.bulk.delete(conn, [
                     {"semaphore": where["b_semaphore"], "key": where["b_key"],
                      self.stmts.id_column: ident}
                     for where, ids in self.deleted for ident in ids])

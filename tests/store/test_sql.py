@@ -253,7 +253,7 @@ def _clients_state(key: str, stamp: float, *, limit: int | None) -> KeyState:
 
 def test_a_batch_writes_its_key_and_client_rows_as_one_statement_each(
         engine: sa.Engine) -> None:
-    # On PostgreSQL the rows of a batch go as arrays (store.sql.ArrayUpsert): inserted,
+    # On PostgreSQL the rows of a batch go as one JSON text (store.sql.BulkUpsert): inserted,
     # then updated in place, every nullable field both ways.
     keys = [f"k{n}" for n in range(30)]
     first = [_clients_state(k, 1764450000.0, limit=None if n % 2 else n)
@@ -278,6 +278,24 @@ def test_a_batch_writes_its_key_and_client_rows_as_one_statement_each(
         assert _load_fresh(engine, "accounts", state.key) == state
     if engine.dialect.name == "postgresql":
         assert "INSERT" not in many, many  # the gone client's DELETE is one per key
+
+
+def test_rows_written_as_json_keep_every_character_and_every_float_bit(
+        engine: sa.Engine) -> None:
+    # store.sql.JsonRows sends a batch's rows as JSON text: quotes, backslashes, control
+    # and non-ASCII characters, and floats at full precision, inserted, updated, deleted.
+    odd = 'celery@h\u00f6st/"q"\\\t{x}'
+    grants = tuple(Grant(f"g{i}-\u00e9\"", odd, "wf,\\1", 3, 1, 0,
+                         1764450000.123456789 + i / 3, 1764450010.987654321) for i in range(3))
+    first = KeyState("accounts", "k\u2603\"", grants, (), 1764450000.1 + 1e-6, 1, 3,
+                     clients=(ClientSeen(odd, 1764450000.000001),))
+    second = replace(first, grants=(grants[0].report(3, 2), grants[1]),
+                     last_round_at=1764450002.2 + 1e-7, rounds=2)
+    for old, new in ((KeyState("accounts", first.key), first), (first, second)):
+        with store.transaction(engine, write=True) as conn:
+            store.load(conn, "accounts", first.key)
+            store.save(conn, old, new)
+        assert _load_fresh(engine, "accounts", first.key) == new
 
 
 def test_a_batch_that_names_a_key_twice_writes_both_in_order(engine: sa.Engine) -> None:
