@@ -23,10 +23,13 @@ def seen(clients: tuple[ClientSeen, ...], holding: set[str], heard: set[str],
     whose grants and leases are held by `holding`: the clients `heard` from stamped (see
     SEEN_RESOLUTION), and only clients that still hold something kept."""
     order = sorted(holding)
-    if [c.client_id for c in clients] == order and all(
-            c.client_id not in heard or now - c.last_seen_at < SEEN_RESOLUTION
-            for c in clients):
-        return clients  # the usual round: the same holders, none due a new stamp
+    if len(clients) == len(order):
+        for client, client_id in zip(clients, order, strict=True):
+            if client.client_id != client_id or (
+                    client_id in heard and now - client.last_seen_at >= SEEN_RESOLUTION):
+                break
+        else:
+            return clients  # the usual round: the same holders, none due a new stamp
     stamps = {c.client_id: c.last_seen_at for c in clients}
     for client_id in heard:
         stamp = stamps.get(client_id)
