@@ -278,6 +278,42 @@ def versus_minimal_sql(url: str, *, clients: int = 100, pairs: int = 60) -> dict
             "ratio": ours_ms / bare_ms, "open_ms": 1000 * statistics.median(held)}
 
 
+def batch_rounds(url: str, *, keys: int = 200, budget: float = 5.0) -> dict[str, float]:
+    """What a holder's round thread spends per key-round of busy keys: `run_rounds` over
+    batches of `keys` keys, each served by 2 clients that ask for 2 permits (limit 4) and
+    report their last grants claimed and released, as in benchmarks.holder_scale, without
+    the broker. CPU time of this process (parsing, the core, the store's Python and the
+    driver) and wall time per key-round, after 3 unmeasured batches."""
+    sem = DurabilitySemaphore(SEMAPHORE, database=url, limit=4)
+    workloads = {f"batch-{k}": Workload(f"batch-{k}", 2, 1) for k in range(keys)}
+    for workload in workloads.values():
+        workload.groups = [None]  # type: ignore[list-item]  # the key's default group
+    now = 1_764_450_000.0
+
+    def batch() -> None:
+        sent = {key: w.messages(now) for key, w in workloads.items()}
+        answers = sem.run_rounds(list(sent.items()), now=now)
+        for (key, messages), responses in zip(sent.items(), answers, strict=True):
+            if isinstance(responses, Exception):
+                raise responses
+            workloads[key].absorb(messages, responses)
+
+    try:
+        for _ in range(3):
+            batch()
+            now += 2.0
+        cpu, wall, rounds = time.process_time(), time.perf_counter(), 0
+        while rounds < 3 * keys or time.perf_counter() - wall < budget:
+            batch()
+            now += 2.0
+            rounds += keys
+        return {"keys": keys, "rounds": rounds,
+                "cpu_us": (time.process_time() - cpu) / rounds * 1e6,
+                "wall_us": (time.perf_counter() - wall) / rounds * 1e6}
+    finally:
+        sem.close()
+
+
 def _minimal_round(conn: psycopg.Connection[Any], key: str, rows: list[tuple[Any, ...]],
                    previous: list[str]) -> None:
     with conn.transaction():
@@ -318,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="PostgreSQL database used to create and drop the benchmark's own database")
     parser.add_argument("--versus-only", action="store_true",
                         help="only the 100-client round against the least SQL for its writes")
+    parser.add_argument("--batch-only", action="store_true",
+                        help="only the batches of 200 busy keys (CPU per key-round)")
     args = parser.parse_args(argv)
 
     header = f"{'backend':<11} {'clients':>7} {'groups':>6} {'rounds':>6} " \
@@ -333,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pg_url, drop = _postgres_database(args.pg_admin)
     results: list[Result] = []
     versus: dict[str, float] | None = None
+    batched: dict[str, float] | None = None
     with tempfile.TemporaryDirectory() as folder:
         sqlite_url = f"sqlite:///{folder}/bench.db"
         try:
@@ -341,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             commit_ms = 1000 / commit_floor(pg_url, 1.0)
             lines.append(f"# PostgreSQL durable commit alone: {commit_ms:.2f} ms")
             print("\n".join(lines))
-            cases = () if args.versus_only else (
+            cases = () if args.versus_only or args.batch_only else (
                 ("core", ""), ("sqlite", sqlite_url), ("postgresql", pg_url))
             if cases:
                 print(header)
@@ -355,7 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results.append(result)
                     print(result.row(), flush=True)
                     lines.append(result.row())
-            versus = versus_minimal_sql(pg_url)
+            if not args.batch_only:
+                versus = versus_minimal_sql(pg_url)
+            if not args.versus_only:
+                batched = batch_rounds(pg_url)
         finally:
             drop()
     growth = _growth(results) if results else []
@@ -369,6 +411,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"  of which our transaction open (BEGIN to the round's return): "
                   f"{versus['open_ms']:.2f} ms = {versus['open_ms'] / versus['bare_ms']:.2f} x"]
         print("\n".join(lines[-2:]))
+    if batched is not None:
+        lines += ["", f"batches of {batched['keys']} busy keys on PostgreSQL (run_rounds, 2 "
+                  f"clients per key, {batched['rounds']} key-rounds): {batched['cpu_us']:.0f} us "
+                  f"of CPU and {batched['wall_us']:.0f} us of wall time per key-round"]
+        print(lines[-1])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines) + "\n")
     return 0
