@@ -20,6 +20,7 @@ from .fields import (
     VERSION,
     ident,
     int_or_zero,
+    is_object,
     number_or_none,
     objects_in,
     optional_ident,
@@ -242,7 +243,7 @@ def _list(obj: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
     value = obj.get(name, [])
     if not isinstance(value, list) or len(value) > MAX_ENTRIES:
         raise InvalidMessage(name, f"must be a list of at most {MAX_ENTRIES} entries")
-    if not all(isinstance(entry, Mapping) for entry in value):
+    if not all(is_object(entry) for entry in value):
         raise InvalidMessage(name, "entries must be objects")
     return value
 
@@ -307,7 +308,7 @@ def _waiting_list(raw: Mapping[str, Any]) -> tuple[Waiting, ...]:
 
 def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
     """Validate a holder reply for (semaphore, key); raises InvalidMessage naming the field."""
-    if not isinstance(raw, Mapping):
+    if not is_object(raw):
         raise InvalidMessage("reply", "must be a JSON object")
     version = raw.get("v")
     if isinstance(version, bool) or version != VERSION:

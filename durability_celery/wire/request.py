@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from itertools import pairwise
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal
 
 import msgspec
 
@@ -18,6 +18,7 @@ from .fields import (
     VERSION,
     ident,
     int_or_zero,
+    is_object,
     objects_in,
     optional_ident,
     required,
@@ -155,11 +156,6 @@ def _name(where: str, name: str | int) -> str:
     return f"{where}[{name}]" if isinstance(name, int) else f"{where}{name}"
 
 
-def _is_object(value: object) -> TypeGuard[Mapping[str, Any]]:
-    # A decoded message is made of dicts: spare them the slower Mapping check.
-    return type(value) is dict or isinstance(value, Mapping)
-
-
 def _entries(message: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
     value = message.get(name)
     if value is None and name not in message:
@@ -169,7 +165,7 @@ def _entries(message: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
     if len(value) > MAX_ENTRIES:
         raise InvalidMessage(name, f"has more than {MAX_ENTRIES} entries")
     for i, entry in enumerate(value):
-        if not _is_object(entry):
+        if not is_object(entry):
             raise InvalidMessage(f"{name}[{i}]", "must be an object")
     return value
 
@@ -261,7 +257,7 @@ def check_key(key: object) -> str:
 
 def parse_request(raw: object, *, semaphore: str, key: str) -> Request:
     """Validate one wire message addressed to (semaphore, key)."""
-    if not _is_object(raw):
+    if not is_object(raw):
         raise InvalidMessage("message", "must be a JSON object")
     kind = required(raw, "type", "")
     if kind not in ("request", "sync"):
