@@ -24,7 +24,7 @@ from .schema import clients, grants, keys, leases
 
 GRANT_COLUMNS: tuple[str, ...] = Grant.__struct_fields__
 LEASE_COLUMNS: tuple[str, ...] = Lease.__struct_fields__
-"""Column names are the dataclass field names (one vocabulary), in field order."""
+"""Column names are the struct field names (one vocabulary), in field order."""
 
 _IN_CHUNK = 500  # values per `IN (...)` on SQLite, well under its variable limit
 _COPY_FROM = 4  # rows from which PostgreSQL inserts use COPY instead of INSERT
@@ -86,7 +86,6 @@ class JsonRows:
     def __init__(self, table: sa.Table, columns: tuple[str, ...],
                  updates: tuple[str, ...] = (), *, revisions: bool = False) -> None:
         quote = _POSTGRES.identifier_preparer.quote
-        self.columns = columns
         self.primary = tuple(c.name for c in table.primary_key.columns)
         self.name = quote(table.name)
         self._types = {c: table.c[c].type.compile(dialect=_POSTGRES) for c in columns}

@@ -299,7 +299,7 @@ def test_rows_written_as_json_keep_every_character_and_every_float_bit(
 
 
 def test_a_batch_that_names_a_key_twice_writes_both_in_order(engine: sa.Engine) -> None:
-    # One array statement may not update a row twice: such a batch goes row by row.
+    # One statement may not update a row twice: such a batch goes row by row.
     with store.transaction(engine, write=True) as conn:
         old = store.load(conn, "accounts", "twice")
         store.save_many(conn, [(old, _clients_state("twice", 1764450000.0, limit=3)),
