@@ -175,8 +175,8 @@ def bench_core(clients: int, groups: int, budget: float) -> Result:
         state = result.state
         return result.responses
 
-    # The budget, not a count, ends the core's cases: 500 one-message rounds are 50 ms, which
-    # the database's background work after the commit floor, or one context switch, moves.
+    # The budget, not a count, ends the core's cases: a few hundred small rounds pass too
+    # quickly to outlast the database's background work after the commit floor.
     return _measure("core", clients, groups, budget, step, workload, max_rounds=1_000_000)
 
 
