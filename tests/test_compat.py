@@ -173,8 +173,9 @@ def test_requeue_first_leaves_other_transports_to_their_broker(tmp_path: Path) -
     {"error": {"code": "x", "message": "caf\u00e9 \u2603 \"q\""}}, {"n": 2 ** 70}, [],
 ])
 @pytest.mark.parametrize("correlation_id", ["c-1", None])
+@pytest.mark.parametrize("reply_to", [None, "dc.reply.caf\u00e9-1"])
 def test_a_redis_envelope_reads_as_what_kombus_producer_pushes(
-        body: Any, correlation_id: str | None) -> None:
+        body: Any, correlation_id: str | None, reply_to: str | None) -> None:
     # The same text but for the body's JSON, which is compact: a consumer finds the same
     # envelope fields and, decoding the body as kombu does, the same values.
     import redis
@@ -187,10 +188,13 @@ def test_a_redis_envelope_reads_as_what_kombus_producer_pushes(
     with Connection(url) as connection:
         producer = connection.Producer(serializer="json")
         compat.tag_deliveries(producer.channel, lambda: "tag-1")
+        # kombu writes a reply_to it is given, even None; the holder's replies give none.
+        replies = {} if reply_to is None else {"reply_to": reply_to}
         producer.publish(body, exchange="", routing_key="dc.compat.envelope",
-                         correlation_id=correlation_id, serializer="json")
+                         correlation_id=correlation_id, serializer="json", **replies)
         mine = redis_envelope(producer.channel, body, routing_key="dc.compat.envelope",
-                              correlation_id=correlation_id, delivery_tag="tag-1")
+                              correlation_id=correlation_id, reply_to=reply_to,
+                              delivery_tag="tag-1")
         target = redis_list_of(producer.channel)("dc.compat.envelope")
     assert target == "dc.compat.envelope"
     [pushed] = server.lrange(target, 0, -1)

@@ -13,6 +13,7 @@
 #   compat/__init__.py  the version check and the installed releases
 #   compat/broker.py    kombu publishing and the filesystem transport's paths
 #   compat/filesystem.py  kombu's filesystem channel with atomic writes
+#   compat/pushes.py    messages pushed on Redis by hand (holder replies, gate requests)
 #   compat/redis_qos.py kombu's virtual and Redis QoS (unacked records, restore)
 #   compat/wire.py      kombu's wire text: a message pushed on Redis, JSON decoding
 #   compat/worker.py    Celery's worker: state, strategy, consumer, pools, requests

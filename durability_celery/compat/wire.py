@@ -34,24 +34,26 @@ def redis_list_of(channel: Any) -> Callable[[str], str]:
 
 
 def redis_envelope(channel: Any, body: Any, *, routing_key: str, correlation_id: str | None,
-                   delivery_tag: str) -> str:
+                   delivery_tag: str, reply_to: str | None = None) -> str:
     """The text kombu pushes for `Producer(channel, serializer="json").publish(body,
-    exchange="", routing_key=routing_key, correlation_id=correlation_id)` when the channel's
-    next delivery tag is `delivery_tag`, but for the body's JSON: compact, not ASCII-only,
-    the same values. `body` holds JSON's own types only (kombu's encoder would also write
-    dates, UUIDs and decimals)."""
+    exchange="", routing_key=routing_key, correlation_id=correlation_id,
+    reply_to=reply_to)` when the channel's next delivery tag is `delivery_tag`, but for
+    the body's JSON: compact, not ASCII-only, the same values. `body` holds JSON's own
+    types only (kombu's encoder would also write dates, UUIDs and decimals)."""
     encoded, encoding = channel.encode_body(to_json(body), channel.body_encoding)
-    return _TEMPLATE % (_text(encoded), _text(correlation_id), _text(routing_key),
+    # kombu leaves out the properties it is not given; reply_to comes first.
+    replies = "" if reply_to is None else f'"reply_to": {_STRING(reply_to)}, '
+    return _TEMPLATE % (_text(encoded), replies, _text(correlation_id), _text(routing_key),
                         _ENVELOPE.encode(channel.default_priority), _text(encoding),
                         _text(delivery_tag))
 
 
 _TEMPLATE = ('{"body": %s, "content-encoding": "utf-8", "content-type": "application/json", '
-             '"headers": {}, "properties": {"correlation_id": %s, "delivery_mode": 2, '
+             '"headers": {}, "properties": {%s"correlation_id": %s, "delivery_mode": 2, '
              '"delivery_info": {"exchange": "", "routing_key": %s}, "priority": %s, '
              '"body_encoding": %s, "delivery_tag": %s}}')
-"""kombu's envelope (keys in its order, json's default separators) with its six values
-to fill in; delivery_mode 2 is the default exchange's (persistent)."""
+"""kombu's envelope (keys in its order, json's default separators) with its values to
+fill in; delivery_mode 2 is the default exchange's (persistent)."""
 
 
 def _text(value: str | None) -> str:

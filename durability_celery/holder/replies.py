@@ -3,19 +3,17 @@
 # not thread-safe), and a failed publish is logged and dropped: the client
 # times out and asks again, the round's effects are already committed. On Redis
 # a batch's replies are pushed by the holder itself, as the exact text kombu's
-# Producer would push (compat.wire.redis_envelope), in one pipeline with their queues'
-# expiry: kombu's publish cost more per reply than the round that made it.
+# Producer would push (compat.pushes), in one pipeline with their queues' expiry:
+# kombu's publish cost more per reply than the round that made it.
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from .. import compat
-from ..compat.wire import redis_envelope, redis_list_of
+from ..compat.pushes import RedisPushes, delivery_tag, pushable
 
 logger = logging.getLogger("durability_celery.holder")
 
@@ -24,24 +22,6 @@ RETRY_POLICY = {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5, "
 
 PUSH_MAX = 1000
 """Replies buffered in a Redis batch before they are pushed (as kombu's batches)."""
-_TAGS_PER_READ = 256
-_tags: list[str] = []
-# A forked child must not hand out the tags its parent may hand out too.
-os.register_at_fork(after_in_child=lambda: _tags.clear())
-
-
-def _delivery_tag() -> str:
-    """A delivery tag as kombu's virtual channels make it (a uuid4 string), from random
-    bytes read for _TAGS_PER_READ tags at a time. kombu reads os.urandom for each
-    reply, which lets go of the interpreter lock: the dispatcher then waited for the
-    round threads' Python to get it back, once per reply."""
-    while True:
-        try:
-            return _tags.pop()
-        except IndexError:
-            raw = os.urandom(16 * _TAGS_PER_READ)
-            _tags.extend(str(uuid.UUID(bytes=raw[at:at + 16], version=4))
-                         for at in range(0, len(raw), 16))
 
 
 class ReplyPublisher:
@@ -65,7 +45,7 @@ class ReplyPublisher:
         self._pushed: list[str] = []
         """With expire_by_hand: queues pushed to and not yet expired (until the open batch
         is sent, or just after a reply sent at once)."""
-        self._pushes: _RedisPushes | None = None
+        self._pushes: RedisPushes | None = None
         """On Redis without a key prefix: a batch's replies, pushed by hand."""
 
     @contextmanager
@@ -92,7 +72,7 @@ class ReplyPublisher:
         try:
             producer = self._ensure_producer()
             if self._batching and self._pushes is not None:
-                self._pushes.add(reply_to, correlation_id, body)
+                self._pushes.add(reply_to, body, correlation_id=correlation_id)
                 self._pushed.append(reply_to)
                 if len(self._pushes) >= PUSH_MAX:
                     self._push()
@@ -182,10 +162,10 @@ class ReplyPublisher:
             self._expire_by_hand = self._connection.transport.driver_type == "redis"
             if self._expire_by_hand:  # kombu's Redis channel tags each message itself
                 channel = self._producer.channel
-                compat.tag_deliveries(channel, _delivery_tag)
+                compat.tag_deliveries(channel, delivery_tag)
                 # A key prefix is the client's to add: kombu's own publish keeps it.
-                if not getattr(channel, "global_keyprefix", ""):
-                    self._pushes = _RedisPushes(channel)
+                if pushable(self._connection, channel):
+                    self._pushes = RedisPushes(channel)
         return self._producer
 
     def close(self) -> None:
@@ -207,35 +187,3 @@ class ReplyPublisher:
                 connection.release()
             except Exception as exc:  # closing a broken connection may fail again
                 logger.debug("durability holder: closing reply connection: %r", exc)
-
-
-class _RedisPushes:
-    """Replies buffered for one Redis channel, each as the text kombu would push (but for
-    the body's compact JSON: compat.wire.redis_envelope)."""
-
-    def __init__(self, channel: Any) -> None:
-        self._channel = channel
-        self._list_of = redis_list_of(channel)
-        self._lists: dict[str, list[str]] = {}
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def add(self, reply_to: str, correlation_id: str | None, body: dict[str, Any]) -> None:
-        text = redis_envelope(self._channel, body, routing_key=reply_to,
-                              correlation_id=correlation_id, delivery_tag=_delivery_tag())
-        self._lists.setdefault(self._list_of(reply_to), []).append(text)
-        self._count += 1
-
-    def send(self, expire: list[str], expire_ms: int) -> None:
-        """LPUSH the buffered replies (one command per list: the same order as one LPUSH
-        each), then PEXPIRE the lists in `expire`; the buffer is empty after, sent or not."""
-        lists, self._lists, self._count = self._lists, {}, 0
-        with self._channel.conn_or_acquire() as client, \
-                client.pipeline(transaction=False) as pipe:
-            for name, texts in lists.items():
-                pipe.lpush(name, *texts)
-            for name in expire:
-                pipe.pexpire(name, expire_ms)
-            pipe.execute()

@@ -21,6 +21,7 @@ from kombu.messaging import Consumer, Producer
 
 from ..client import SemaphoreClient
 from ..compat import worker as celery_worker
+from ..compat.pushes import RedisPushes, pushable
 from ..metrics import served_by
 from ..queues import reply_queue_declaration
 from ..registry import Configuration
@@ -106,6 +107,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
             self.metrics.watch(occupancy(self.gate), self.clients)
         self.producer: Any = None
         """Publishes to holders, on a connection of its own; built on first use."""
+        self._pushes: RedisPushes | None = None
+        """On Redis: pushes to holders by hand, on the producer's channel."""
         self._connection: Any = None
         self._pool_size = 0
         self._timers: list[Any] = []
@@ -356,15 +359,26 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def _publish(self, message: Outgoing) -> None:
         try:
-            producer = self.producer or self._open_producer()
-            publish_request(producer, self.durability.queue_for(message.semaphore, message.key),
-                            message.body, reply_to=self.reply_queue.name,
-                            correlation_id=message.correlation_id, retry_policy=_PUBLISH_RETRY)
+            self._send(message)
         except Exception as exc:
             logger.warning("durability: sending to holder of %s/%s failed (the next message "
                            "opens a new connection): %r", message.semaphore, message.key, exc)
             self._drop_producer()
             self.gate.failed(message)
+
+    def _send(self, message: Outgoing) -> None:
+        queue = self.durability.queue_for(message.semaphore, message.key)
+        producer = self.producer or self._open_producer()
+        pushes = self._pushes
+        if pushes is None:
+            publish_request(producer, queue, message.body, reply_to=self.reply_queue.name,
+                            correlation_id=message.correlation_id, retry_policy=_PUBLISH_RETRY)
+            return
+        # No retry here: a failed push fails the message, whose client asks again after
+        # its backoff, on the new connection the next message opens.
+        pushes.add(queue, message.body, correlation_id=message.correlation_id,
+                   reply_to=self.reply_queue.name)
+        pushes.send()
 
     def _open_producer(self) -> Any:
         """A producer on a broker connection of the step's own, as Celery's event
@@ -378,15 +392,22 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         nothing reads this connection; one that died idle is reconnected by its next
         publish's retry, or dropped (`_drop_producer`) for a new one. Connecting retries
         as a publish does: kombu's default for a channel's connection sleeps 2 s between
-        attempts, on the event loop, and the gate asks again after a failure anyway."""
+        attempts, on the event loop, and the gate asks again after a failure anyway.
+
+        On Redis the step pushes its messages itself (compat.pushes), as the holder does
+        its replies: kombu's publish costs the event loop more than the push it ends in,
+        for every message to a holder."""
         self._connection = self.c.app.connection_for_write(heartbeat=0)
         self._connection.ensure_connection(**_PUBLISH_RETRY)
         self.producer = Producer(  # type: ignore[no-untyped-call]
             self._connection.channel(), serializer="json")
+        channel = self.producer.channel
+        self._pushes = RedisPushes(channel) if pushable(self._connection, channel) else None
         return self.producer
 
     def _drop_producer(self) -> None:
         connection, self._connection, self.producer = self._connection, None, None
+        self._pushes = None
         if connection is not None:
             ignore_errors(connection, connection.release)  # type: ignore[no-untyped-call]
 

@@ -111,7 +111,7 @@ def test_a_broker_lost_before_the_batch_ends_drops_it_and_the_next_reply_goes(
 def test_replies_carry_distinct_uuid4_delivery_tags(
         redis_url_factory: Callable[[int], str],
         publisher_on: Callable[[str], ReplyPublisher]) -> None:
-    # Tags are made from random bytes read for many at a time (replies._delivery_tag),
+    # Tags are made from random bytes read for many at a time (pushes.delivery_tag),
     # in kombu's own form.
     import json
     import uuid
@@ -126,9 +126,9 @@ def test_replies_carry_distinct_uuid4_delivery_tags(
     assert len(set(tags)) == 300
     assert all(str(uuid.UUID(tag)) == tag and uuid.UUID(tag).version == 4 for tag in tags)
     assert len(received(url, "dc-test.reply.tags")) == 300  # kombu takes them as its own
-    from durability_celery.holder import replies
+    from durability_celery.compat import pushes
 
-    assert publisher._producer.channel._next_delivery_tag is replies._delivery_tag
+    assert publisher._producer.channel._next_delivery_tag is pushes.delivery_tag
 
 
 BODIES: list[dict[str, Any]] = [
@@ -144,12 +144,12 @@ def test_a_batch_pushes_what_kombu_would_push_but_for_the_bodys_json(
         redis_url_factory: Callable[[int], str], publisher_on: Callable[[str], ReplyPublisher],
         monkeypatch: pytest.MonkeyPatch) -> None:
     from durability_celery import compat
-    from durability_celery.holder import replies
+    from durability_celery.compat import pushes
 
     url = redis_url_factory(REDIS_DB)
     server = redis.Redis.from_url(url)
     tags = iter(f"tag-{n}" for n in range(100))
-    monkeypatch.setattr(replies, "_delivery_tag", lambda: next(tags))
+    monkeypatch.setattr(pushes, "delivery_tag", lambda: next(tags))
     publisher = publisher_on(url)
     with publisher.batch():
         for n, body in enumerate(BODIES):
