@@ -41,7 +41,7 @@ def redis_envelope(channel: Any, body: Any, *, routing_key: str, correlation_id:
     the body's JSON: compact, not ASCII-only, the same values. `body` holds JSON's own
     types only (kombu's encoder would also write dates, UUIDs and decimals)."""
     encoded, encoding = channel.encode_body(to_json(body), channel.body_encoding)
-    # kombu leaves out the properties it is not given; reply_to comes first.
+    # kombu writes only the properties it is given, in the order given: publish_request's.
     replies = "" if reply_to is None else f'"reply_to": {_STRING(reply_to)}, '
     return _TEMPLATE % (_text(encoded), replies, _text(correlation_id), _text(routing_key),
                         _ENVELOPE.encode(channel.default_priority), _text(encoding),

@@ -390,7 +390,8 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         restarted nothing. On a connection of its own, the retry collects only that;
         Celery sees its own connection fail and restarts the consumer. No heartbeats:
         nothing reads this connection; one that died idle is reconnected by its next
-        publish's retry, or dropped (`_drop_producer`) for a new one. Connecting retries
+        publish's retry (a push: by redis-py, which checks a pooled connection before it
+        lends it), or dropped (`_drop_producer`) for a new one. Connecting retries
         as a publish does: kombu's default for a channel's connection sleeps 2 s between
         attempts, on the event loop, and the gate asks again after a failure anyway.
 
