@@ -79,8 +79,11 @@ _STOP = object()
 _CANCELLED = object()
 
 
-class Dispatcher(threading.Thread):
-    """Runs rounds and reclaims for the keys of the shards this holder serves."""
+class Dispatcher:
+    """Runs rounds and reclaims for the keys of the shards this holder serves, in a
+    thread of its own. It owns that thread rather than being one: a subclass of
+    threading.Thread shares the namespace of its private attributes, which Python 3.13
+    took `_handle` of."""
 
     def __init__(
         self,
@@ -93,7 +96,8 @@ class Dispatcher(threading.Thread):
         clock: Callable[[], float] = time.time,
         metrics: HolderMetrics | None = None,
     ) -> None:
-        super().__init__(name="durability-holder-dispatcher", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="durability-holder-dispatcher",
+                                        daemon=True)
         self._metrics = metrics
         self._semaphores = semaphores
         self._serves = serves
@@ -138,9 +142,12 @@ class Dispatcher(threading.Thread):
     def answer_error(self, reply_to: str, correlation_id: str | None, code: str, text: str) -> None:
         self._inbox.put(_ErrorAnswer(reply_to, correlation_id, error_reply(code, text)))
 
+    def start(self) -> None:
+        self._thread.start()
+
     def stop(self, *, timeout: float = 10.0) -> None:
         self._inbox.put(_STOP)
-        self.join(timeout)
+        self._thread.join(timeout)
 
     # --- the thread --------------------------------------------------------
 
