@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,10 +30,14 @@ class ClientQueue:
         self.items: dict[str, Queued] = {}
         self.by_key: dict[str, dict[str | None, list[Order]]] = {}
         """key -> group -> queued items, oldest first; a key or group with none is absent."""
-        self._seq = itertools.count()
+        self._seq = 0
+        """The next item's place among items enqueued at the same time. An int, not an
+        itertools.count: Python 3.14's copy.deepcopy, which the property tests use on a
+        client, no longer copies itertools objects."""
 
     def add(self, key: str, group: str | None, item_id: str, enqueued_at: float) -> None:
-        item = Queued(item_id, key, group, enqueued_at, next(self._seq))
+        item = Queued(item_id, key, group, enqueued_at, self._seq)
+        self._seq += 1
         self.items[item_id] = item
         bisect.insort(self.by_key.setdefault(key, {}).setdefault(group, []), item.order)
 
