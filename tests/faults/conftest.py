@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -75,10 +74,6 @@ def fault_cluster(processes: Processes, fault_database: str, tmp_path: Path
     try:
         yield make
     finally:
-        # The invariants were checked before teardown and every Redis and
-        # database here is this test's own: no warm shutdown to wait for.
-        for proc in processes.procs:
-            proc.signal(signal.SIGKILL)
         processes.stop_all()
         for cluster in made:
             cluster.semaphore.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -237,13 +236,6 @@ def cluster_factory(processes: Processes, gate_database: str
     try:
         yield make
     finally:
-        # Clients first, all at once, so their warm shutdowns (and final reports,
-        # which need the holder) overlap; then the holder.
-        clients = [p for p in processes.procs if p.name == "client"]
-        for proc in clients:
-            proc.signal(signal.SIGTERM)
-        for proc in clients:
-            proc.stop(timeout=15)
         processes.stop_all()
         for cluster in made:
             cluster.semaphore.close()
