@@ -148,6 +148,8 @@ def run_demo(args: argparse.Namespace) -> int:
             jobs = workload(args.tasks, seconds=seconds)
             published = _publish(app, run, jobs)
             _watch(args, run, sem, children, published)
+            # Celery's warm shutdown takes seconds per worker: say why nothing moves.
+            print("stopping the client workers, then the holder and beat ...", flush=True)
         finally:
             children.stop_all()
     return _report(args, run, published)

@@ -100,6 +100,7 @@ def check_verdict(done: subprocess.CompletedProcess[str], verdict: dict[str, Any
     assert max(tally.peak.values()) >= 2, "tasks of one account really ran side by side"
     assert len(tally.finished_ids) == 24
     assert "[" in done.stdout and "done 24/24" in done.stdout  # headless progress lines
+    assert "stopping the client workers" in done.stdout  # the shutdown is not silent
     assert processes_using(home) == [], "every child process was stopped"
 
 
