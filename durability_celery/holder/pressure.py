@@ -44,7 +44,11 @@ MAX_STRETCHED_PERIOD = 10.0
 """Seconds a stretched period may reach whatever its round_period: a semaphore of very
 short rounds (0.05 s) is relieved only by far more than MAX_STRETCH times."""
 SHRINK = 0.85
-"""Factor the extra shrinks by per period without lag: gradual, as load comes back."""
+"""Factor the extra shrinks by per period with little lag: gradual, as load comes back."""
+FAST_SHRINK = 0.5
+"""Factor per period while requests wait less than IDLE_SHARE of the target lag: a holder
+with room to spare, after a burst it is past."""
+IDLE_SHARE = 0.25
 MIN_ADJUST = 0.25
 """Seconds between two looks that may grow the extra; it shrinks at most once per
 (shortest) period: a change shows in the lag once the clients it told asked again."""
@@ -84,6 +88,9 @@ class Pressure:
         self._peak = 0.0
         self._last_peak = 0.0
         self._next_adjust: float | None = None
+        self._settled_at = 0.0
+        """When the clients told the last stretch have all asked again: before that, a
+        lag gone quiet says nothing of the load they bring."""
         self._next_log = 0.0
         self._warned = False
 
@@ -117,13 +124,13 @@ class Pressure:
         if self._next_adjust is None:
             self._next_adjust = now + MIN_ADJUST
         elif now >= self._next_adjust:
-            self._next_adjust = now + self._adjust(shortest)
+            self._next_adjust = now + self._adjust(shortest, now)
         self.lag = max(self._peak, self._last_peak)
         overloaded = self.extra > 0.0 or self.lag > OVERLOAD_LAG
         self._log(now, overloaded)
         self.overloaded = overloaded
 
-    def _adjust(self, shortest: float) -> float:
+    def _adjust(self, shortest: float, now: float) -> float:
         """Change the extra by the lag seen since the last change; returns how long
         until the next one."""
         target = _target(shortest)
@@ -135,9 +142,15 @@ class Pressure:
             # requests told before the stretch, and adding each one's would stretch
             # far past what the holder can serve, leaving it idle for many periods.
             self.extra = max(self.extra, min(MAX_EXTRA, peak - target))
+            self._settled_at = now + shortest + self.extra
             return MIN_ADJUST
         if peak < target / 2 and self.extra > 0.0:
-            self.extra *= SHRINK
+            if now < self._settled_at:
+                return max(MIN_ADJUST, min(shortest, self._settled_at - now))
+            # Near the target, gradually: each step brings clients back sooner. Far
+            # under it the holder idles, and a burst it is past (every worker asking at
+            # once after a restart) must not pace its keys for many periods more.
+            self.extra *= FAST_SHRINK if peak < IDLE_SHARE * target else SHRINK
             if self.extra < max(0.05 * shortest, MIN_TARGET_LAG / 2):
                 self.extra = 0.0  # less than a lag it would not stretch for
         return max(MIN_ADJUST, shortest)

@@ -1,6 +1,7 @@
 # Back-pressure (holder/pressure.py) on a fake clock: lag past its target stretches
 # the periods and the replies' next_request_at by the same seconds, within caps; it shrinks
-# back once the lag is gone, and the holder says so (state and log); the batcher
+# back once the lag is gone (not before the clients told the stretch asked again; fast far
+# under the target, gradually near it), and the holder says so (state and log); the batcher
 # serves parked requests by the period their key's last round told.
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 from durability_celery.core.config import GATHER
 from durability_celery.holder import pressure as pressure_module
 from durability_celery.holder.batching import Batcher, Waiting
-from durability_celery.holder.pressure import MAX_STRETCH, MAX_STRETCHED_PERIOD, Pressure
+from durability_celery.holder.pressure import (
+    FAST_SHRINK,
+    MAX_STRETCH,
+    MAX_STRETCHED_PERIOD,
+    SHRINK,
+    Pressure,
+)
 
 PERIOD = 2.0
 
@@ -70,12 +77,21 @@ def test_without_lag_the_stretch_shrinks_back_and_the_overload_ends(
         caplog: pytest.LogCaptureFixture) -> None:
     pressure = Pressure(lambda: PERIOD)
     now = behind(pressure, 0.0, 20.0, lag=3.0)
-    now = behind(pressure, now, PERIOD, lag=0.0)  # its look still saw the lag
     stretched = pressure.extra
-    now = behind(pressure, now, PERIOD, lag=0.0)  # one look that changes it
-    assert 0.0 < pressure.extra < stretched  # gradually: clients come back a period later
+    # The clients told the stretch ask again a stretched period after their rounds:
+    # until then no lag says the holder has room, and nothing shrinks.
+    now = behind(pressure, now, PERIOD + stretched - 0.5, lag=0.0)
+    assert pressure.extra == stretched
+    # Then, with requests waiting far under the target, it halves each period.
+    now = behind(pressure, now, 1.0, lag=0.0)
+    assert pressure.extra == pytest.approx(stretched * FAST_SHRINK)
+    now = behind(pressure, now, PERIOD, lag=0.0)
+    assert pressure.extra == pytest.approx(stretched * FAST_SHRINK ** 2)
+    # Near the target, gradually.
+    now = behind(pressure, now, PERIOD, lag=0.2)
+    assert pressure.extra == pytest.approx(stretched * FAST_SHRINK ** 2 * SHRINK)
     with caplog.at_level("INFO", logger="durability_celery.holder"):
-        behind(pressure, now, 200.0, lag=0.0)
+        behind(pressure, now, 10 * PERIOD, lag=0.0)
     assert (pressure.extra, pressure.overloaded) == (0.0, False)
     assert "no longer overloaded" in caplog.text
 
