@@ -234,8 +234,10 @@ class Dispatcher:
         key_id = job.key_id
         period = float(self._semaphores[key_id[0]].config.round_period)
         # Its replies tell clients to come a stretched period later if the holder is
-        # behind: the batcher gathers them then (parked requests wait for it).
-        told = self.pressure.period(period) if self.pressure.extra > 0.0 else None
+        # behind: the batcher gathers them then (parked requests wait for it). One share
+        # of the extra for the whole round keeps its clients together.
+        share = self.pressure.spread()
+        told = self.pressure.period(period, share) if self.pressure.extra > 0.0 else None
         self._batcher.finished(key_id, round_at=first_round_at(responses),
                                blocked=blocked_by(job, responses), period=told)
         if responses is None:
@@ -247,7 +249,7 @@ class Dispatcher:
             for deadline in claim_deadlines(responses):
                 self._batcher.set_alarm(key_id, deadline)
             for response in responses:
-                self.pressure.stretch_reply(response, period)
+                self.pressure.stretch_reply(response, period, share)
         for request, answer in zip(job.requests, answers, strict=True):
             if is_error(answer) and responses is not None:
                 # Refused by validation (it changed nothing): say so even when

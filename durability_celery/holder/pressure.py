@@ -10,7 +10,8 @@
 # long more. The remedy is fewer
 # rounds per busy key: the holder stretches every period it tells (its replies'
 # next_request_at, and when its batcher serves the requests told to come) by
-# `extra` seconds, so each key's cycle keeps its length but spends it with the
+# `extra` seconds (less a random share per round, so keys that asked together
+# drift apart), so each key's cycle keeps its length but spends it with the
 # client instead of as lag, and request -> reply stays short
 # (docs/operations.md). Seconds, not a factor: one holder serves semaphores of
 # very different periods, and a lag that is many periods of a short one is a
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,10 @@ MIN_ADJUST = 0.25
 MAX_EXTRA = 60.0
 """Seconds the extra may reach, so it shrinks back in bounded time (a period longer than
 8 x 7.5 s is stretched less than MAX_STRETCH times)."""
+SPREAD = 0.5
+"""Share of the extra that each round's replies may be told less of, at random: keys
+stretched by the same seconds keep asking together, and the tail of such a wave alone
+can keep the lag past its target while the holder idles most of the period."""
 LOG_EVERY = 30.0
 
 
@@ -97,10 +103,16 @@ class Pressure:
     def view(self) -> PressureView:
         return PressureView(self.overloaded, self.extra, self.lag, self.waiting, self.shed)
 
-    def period(self, round_period: float) -> float:
-        """`round_period` as the holder tells it now."""
+    def period(self, round_period: float, share: float = 1.0) -> float:
+        """`round_period` as the holder tells it now, with `share` of the extra (`spread`)."""
         most = max(MAX_STRETCH * round_period, MAX_STRETCHED_PERIOD)
-        return max(round_period, min(round_period + self.extra, most))
+        return max(round_period, min(round_period + self.extra * share, most))
+
+    @staticmethod
+    def spread() -> float:
+        """The share of the extra one round's replies are told: all of it, less up to
+        SPREAD at random, so that keys that asked together drift apart."""
+        return 1.0 - SPREAD * random.random()
 
     @property
     def behind(self) -> bool:
@@ -169,14 +181,15 @@ class Pressure:
             self._warned = False
             logger.info("durability holder: no longer overloaded")
 
-    def stretch_reply(self, response: dict[str, Any], round_period: float) -> None:
-        """While behind, tell the client of `response` to ask no sooner than a (stretched)
-        period after its round. A blocked client too: told to ask at once, its request
-        would wait at the holder for the period plus the lag, which then grows: the
-        prompt round it waits for is lost in the lag anyway."""
+    def stretch_reply(self, response: dict[str, Any], round_period: float,
+                      share: float = 1.0) -> None:
+        """While behind, tell the client of `response` to ask no sooner than a (stretched,
+        by `share` of the extra) period after its round. A blocked client too: told to ask
+        at once, its request would wait at the holder for the period plus the lag, which
+        then grows: the prompt round it waits for is lost in the lag anyway."""
         round_at = round_at_of(response)
         if self.behind and round_at is not None:
-            ask_no_sooner(response, round_at + self.period(round_period))
+            ask_no_sooner(response, round_at + self.period(round_period, share))
 
 
 def _target(shortest_period: float) -> float:

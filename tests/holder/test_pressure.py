@@ -15,6 +15,7 @@ from durability_celery.holder.pressure import (
     MAX_STRETCH,
     MAX_STRETCHED_PERIOD,
     SHRINK,
+    SPREAD,
     Pressure,
 )
 
@@ -57,6 +58,26 @@ def test_lag_past_its_target_stretches_periods_and_replies(
     pressure.stretch_reply(error, PERIOD)
     assert "next_request_at" not in error
     assert pressure.view().waiting == 500
+
+
+def test_each_round_is_told_its_own_share_of_the_stretch() -> None:
+    # Stretched by the same seconds, keys that asked together would ask together again,
+    # and the tail of their wave could hold the lag past its target: each round's replies
+    # are told the extra less a random share of it, the same for all its clients.
+    pressure = Pressure(lambda: PERIOD)
+    behind(pressure, 0.0, 5.0, lag=2.5)
+    extra = pressure.extra
+    told = set()
+    for _ in range(200):
+        share = pressure.spread()
+        answers = [reply(10.0), reply(10.0, blocked=True)]
+        for answer in answers:
+            pressure.stretch_reply(answer, PERIOD, share)
+        assert answers[0]["next_request_at"] == answers[1]["next_request_at"]
+        told.add(answers[0]["next_request_at"])
+    assert min(told) >= 10.0 + PERIOD + extra * (1 - SPREAD)
+    assert max(told) <= 10.0 + PERIOD + extra
+    assert max(told) - min(told) > extra * SPREAD / 2  # spread, not one value
 
 
 def test_periods_are_stretched_by_the_same_seconds_within_their_caps() -> None:
