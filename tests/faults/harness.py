@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from support import Proc, Processes
 
+from tests.faults.services import PrivateRedis
 from tests.worker.conftest import Cluster
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -85,6 +86,7 @@ class Outcome:
     ran: int
     max_running: dict[str, int]
     repeated: int
+    lost_by_broker: int = 0
     usage_zero_after: dict[str, float] = field(default_factory=dict)
 
 
@@ -92,7 +94,8 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
                      group_limits: dict[str, int] | None = None, extra: int = 0,
                      lost: frozenset[str] = frozenset(), timeout: float = 60.0,
                      settle: float | None = 20.0, at_least_once: bool = False,
-                     killed_at: float | None = None) -> Outcome:
+                     killed_at: float | None = None,
+                     killed_broker: PrivateRedis | None = None) -> Outcome:
     """The suite's invariants, from the ledger and the holder's own tables.
 
     Every published task ran exactly once (at least once with `at_least_once`,
@@ -102,17 +105,31 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
     per key never above limit + extra, per group never above its ceiling; usage
     returns to zero within `settle` seconds of the last end (the measured time is
     returned; `settle=None` skips that wait, for a caller that measures it).
+    With `killed_broker`, a task whose message the broker itself lost at the kill
+    (popped, never delivered: `PrivateRedis.popped_at_kill`) may never run, if it is
+    nowhere in the broker now.
     """
+    in_flight = killed_broker.popped_at_kill() & set(ids) if killed_broker else set()
     expected = set(ids)
+
+    def unsent() -> set[str]:
+        return in_flight - set(cluster.starts())
+
     cluster.wait_for("every task to run and end", lambda: (
-        set(cluster.starts()) >= expected and set(cluster.ends()) | lost >= expected),
+        set(cluster.starts()) | unsent() >= expected
+        and set(cluster.ends()) | lost | unsent() >= expected),
         timeout=timeout, context=lambda: (
             f"{len(expected - set(cluster.starts()))} not started, "
             f"{len(expected - set(cluster.ends()) - lost)} not ended; holder state: "
             f"{[cluster.semaphore.state(k) for k in limits]}\n"
+            f"popped at the broker's kill: {in_flight}\n"
             f"{broker_whereabouts(cluster, expected - set(cluster.ends()) - lost)}\n"
             f"{cluster.logs()}"))
     last_end = time.time()
+    lost_by_broker = unsent()
+    assert not any(broker_holds(cluster, lost_by_broker).values()), (
+        f"the broker still holds tasks that never ran: {broker_holds(cluster, lost_by_broker)}")
+    expected -= lost_by_broker
     starts = cluster.starts()
     twice = {i: n for i, n in starts.items() if i in expected and n != 1}
     assert at_least_once or not twice, f"tasks ran more than once: {twice}"
@@ -127,7 +144,8 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
     for key in limits:
         for group, ceiling in (group_limits or {}).items():
             assert cluster.max_running(key, group) <= ceiling, (key, group)
-    outcome = Outcome(ran=len(starts), max_running=peaks, repeated=len(twice))
+    outcome = Outcome(ran=len(starts), max_running=peaks, repeated=len(twice),
+                      lost_by_broker=len(lost_by_broker))
     if settle is not None:
         for key in limits:
             wait_usage_zero(cluster, key, timeout=settle)
@@ -135,24 +153,30 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
     return outcome
 
 
+def broker_holds(cluster: FaultCluster, tasks: set[str]) -> dict[str, list[str]]:
+    """Where a Redis broker has each of `tasks`: the queues and hashes (kombu's
+    unacked index, back after the visibility timeout) naming it; none if lost."""
+    broker = redis.Redis.from_url(cluster.config["broker_url"], decode_responses=True)
+    found: dict[str, list[str]] = {task: [] for task in tasks}
+    if not tasks:
+        return found
+    for key in broker.scan_iter():
+        kind = broker.type(key)
+        values = (broker.lrange(key, 0, -1) if kind == "list"
+                  else broker.hvals(key) if kind == "hash" else [])
+        for value in values:
+            for task in tasks:
+                if task in value:
+                    found[task].append(f"{kind} {key}")
+    return found
+
+
 def broker_whereabouts(cluster: FaultCluster, missing: set[str]) -> str:
-    """Where a Redis broker has the tasks that did not end: a queue, kombu's unacked
-    index (back after the visibility timeout), or nowhere (lost)."""
-    url = cluster.config["broker_url"]
-    if not missing or not url.startswith("redis://"):
+    """`broker_holds` for a failure's context, on a Redis broker."""
+    if not missing or not cluster.config["broker_url"].startswith("redis://"):
         return ""
     try:
-        broker = redis.Redis.from_url(url, decode_responses=True)
-        found: dict[str, list[str]] = {task: [] for task in missing}
-        for key in broker.scan_iter():
-            kind = broker.type(key)
-            values = (broker.lrange(key, 0, -1) if kind == "list"
-                      else broker.hvals(key) if kind == "hash" else [])
-            for value in values:
-                for task in missing:
-                    if task in value:
-                        found[task].append(f"{kind} {key}")
-        return f"in the broker: {found}"
+        return f"in the broker: {broker_holds(cluster, missing)}"
     except redis.RedisError as exc:
         return f"broker not readable: {exc!r}"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
 import signal
@@ -63,10 +64,78 @@ class PrivateRedis:
         return time.monotonic() - began
 
     def kill(self) -> None:
-        """SIGKILL: every client connection breaks at once."""
+        """SIGKILL: every client connection breaks at once. A durable server's
+        append-only file is copied as it stood at the kill (`popped_at_kill`)."""
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(signal.SIGKILL)
             self.popen.wait(5)
+            aof = self.folder / "appendonlydir"
+            if self.durable and aof.is_dir():
+                shutil.rmtree(self.folder / "aof-at-kill", ignore_errors=True)
+                shutil.copytree(aof, self.folder / "aof-at-kill")
+
+    def popped_at_kill(self, *, tail: int = 20) -> set[str]:
+        """Task ids whose message a pop took off a queue among the last `tail`
+        commands before the last kill, with no delivery recorded after it.
+
+        kombu's Redis transport pops a message, then records it as delivered in its
+        `unacked` hash: a broker killed in between (or before its reply reached the
+        client) has the pop on disk and the message nowhere. Plain Celery loses it
+        the same way; no client code can see it. Replays the list commands of the
+        append-only file to learn which message each pop took."""
+        folder = self.folder / "aof-at-kill"
+        manifest = (folder / "appendonly.aof.manifest").read_text().split("\n")
+        commands: list[list[bytes]] = []
+        for line in manifest:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == "i":  # incremental files, in order
+                commands += _resp_commands((folder / fields[1]).read_bytes())
+        lists: dict[bytes, list[bytes]] = {}
+        popped: dict[str, int] = {}  # task id -> index of the pop that took it
+        for index, (name, *args) in enumerate(commands):
+            verb = name.upper()
+            if verb in (b"LPUSH", b"RPUSH"):
+                queue = lists.setdefault(args[0], [])
+                for value in args[1:]:
+                    queue.insert(0, value) if verb == b"LPUSH" else queue.append(value)
+                    popped.pop(_task_id(value), None)
+            elif verb in (b"RPOP", b"LPOP") and lists.get(args[0]):
+                value = lists[args[0]].pop(-1 if verb == b"RPOP" else 0)
+                popped[_task_id(value)] = index
+            elif verb == b"DEL":
+                for key in args:
+                    lists.pop(key, None)
+            elif verb == b"HSET" and args[0] == b"unacked":
+                for value in args[2::2]:
+                    popped.pop(_task_id(json.loads(value)[0]), None)
+        cutoff = len(commands) - tail
+        return {task for task, index in popped.items() if task and index >= cutoff}
+
+
+def _resp_commands(data: bytes) -> list[list[bytes]]:
+    """The commands of an append-only file: RESP arrays of bulk strings."""
+    commands: list[list[bytes]] = []
+    at = 0
+    with contextlib.suppress(ValueError):  # a command cut short by the kill ends it
+        while at < len(data):
+            end = data.index(b"\r\n", at)
+            count, at = int(data[at + 1:end]), end + 2
+            command = []
+            for _ in range(count):
+                end = data.index(b"\r\n", at)
+                size, at = int(data[at + 1:end]), end + 2
+                if at + size + 2 > len(data):
+                    raise ValueError("truncated")
+                command.append(data[at:at + size])
+                at += size + 2
+            commands.append(command)
+    return commands
+
+
+def _task_id(message: bytes | dict[str, object]) -> str:
+    raw = json.loads(message) if isinstance(message, bytes) else message
+    headers = raw.get("headers")
+    return str(headers.get("id", "")) if isinstance(headers, dict) else ""
 
 
 def _pg_bin(name: str) -> str:

@@ -5,10 +5,12 @@
 # fault must all run, limits must hold throughout, usage must return to zero.
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
 import pytest
+import redis
 
 from tests.faults.harness import FaultCluster, check_invariants, report
 from tests.faults.services import PrivatePostgres, PrivateRedis
@@ -57,10 +59,12 @@ def test_broker_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
     cluster.wait_for("work to resume after the restart", lambda: ended(cluster) > before + 2,
                      timeout=60, context=cluster.logs)
     resumed = time.monotonic() - restarted
-    outcome = check_invariants(cluster, ids, limits=LIMITS, timeout=90, at_least_once=True)
+    outcome = check_invariants(cluster, ids, limits=LIMITS, timeout=90, at_least_once=True,
+                               killed_broker=private_redis)
     assert all(p.popen.poll() is None for p in cluster.processes.procs), "every worker lives"
     report("broker-restart", down_seconds=round(restarted - killed_at, 1),
            resumed_after=round(resumed, 1), tasks=outcome.ran, repeated=outcome.repeated,
+           lost_by_broker=outcome.lost_by_broker,
            max_running=outcome.max_running, usage_zero_after=outcome.usage_zero_after)
 
 
@@ -92,3 +96,22 @@ def test_database_restart_mid_run(fault_cluster: Callable[..., FaultCluster],
            down_seconds=round(restarted - stopped_at, 1), resumed_after=round(resumed, 1),
            ended_while_down=during, tasks=outcome.ran, max_running=outcome.max_running,
            usage_zero_after=outcome.usage_zero_after)
+
+
+def test_popped_at_kill_names_only_messages_popped_and_never_recorded(
+        private_redis: PrivateRedis) -> None:
+    broker = redis.Redis.from_url(private_redis.url())
+
+    def message(task: str) -> bytes:
+        return json.dumps({"body": "", "headers": {"id": task}, "properties": {}}).encode()
+
+    broker.lpush("celery", message("early"), message("recorded"), message("in-flight"),
+                 message("queued"))
+    broker.rpop("celery")  # "early": popped, then long before the kill ...
+    broker.lpush("celery", message("early"))  # ... given back, so queued again
+    broker.rpop("celery")
+    broker.rpop("celery")  # "recorded" and "in-flight": popped, only one recorded
+    broker.hset("unacked", "tag-1", json.dumps([json.loads(message("recorded")), "", "celery"]))
+    private_redis.kill()
+    assert private_redis.popped_at_kill() == {"in-flight"}
+    assert private_redis.popped_at_kill(tail=1) == set(), "only the last commands count"
