@@ -74,15 +74,18 @@ class PrivateRedis:
                 shutil.rmtree(self.folder / "aof-at-kill", ignore_errors=True)
                 shutil.copytree(aof, self.folder / "aof-at-kill")
 
-    def popped_at_kill(self, *, tail: int = 20) -> set[str]:
-        """Task ids whose message a pop took off a queue among the last `tail`
-        commands before the last kill, with no delivery recorded after it.
+    def popped_at_kill(self, *, tail: int = 20) -> dict[str, str]:
+        """Task ids (and their delivery tags) whose message a pop took off a queue
+        among the last `tail` commands before the last kill, with no delivery recorded
+        after it.
 
         kombu's Redis transport pops a message, then records it as delivered in its
-        `unacked` hash: a broker killed in between (or before its reply reached the
-        client) has the pop on disk and the message nowhere. Plain Celery loses it
-        the same way; no client code can see it. Replays the list commands of the
-        append-only file to learn which message each pop took."""
+        `unacked` hash. A broker killed in between has the pop on disk and the message
+        nowhere: if the client read the reply, the gate keeps the message to give back
+        (worker.teardown.watch_pops, which logs its delivery tag); if the reply never
+        reached it, the message is lost, as under plain Celery, and no client can know.
+        Replays the list commands of the append-only file to learn which message each
+        pop took."""
         folder = self.folder / "aof-at-kill"
         manifest = (folder / "appendonly.aof.manifest").read_text().split("\n")
         commands: list[list[bytes]] = []
@@ -91,7 +94,7 @@ class PrivateRedis:
             if len(fields) >= 6 and fields[5] == "i":  # incremental files, in order
                 commands += _resp_commands((folder / fields[1]).read_bytes())
         lists: dict[bytes, list[bytes]] = {}
-        popped: dict[str, int] = {}  # task id -> index of the pop that took it
+        popped: dict[str, tuple[int, str]] = {}  # task id -> (pop's index, delivery tag)
         for index, (name, *args) in enumerate(commands):
             verb = name.upper()
             if verb in (b"LPUSH", b"RPUSH"):
@@ -101,7 +104,7 @@ class PrivateRedis:
                     popped.pop(_task_id(value), None)
             elif verb in (b"RPOP", b"LPOP") and lists.get(args[0]):
                 value = lists[args[0]].pop(-1 if verb == b"RPOP" else 0)
-                popped[_task_id(value)] = index
+                popped[_task_id(value)] = (index, _delivery_tag(value))
             elif verb == b"DEL":
                 for key in args:
                     lists.pop(key, None)
@@ -109,7 +112,7 @@ class PrivateRedis:
                 for value in args[2::2]:
                     popped.pop(_task_id(json.loads(value)[0]), None)
         cutoff = len(commands) - tail
-        return {task for task, index in popped.items() if task and index >= cutoff}
+        return {task: tag for task, (index, tag) in popped.items() if task and index >= cutoff}
 
 
 def _resp_commands(data: bytes) -> list[list[bytes]]:
@@ -130,6 +133,11 @@ def _resp_commands(data: bytes) -> list[list[bytes]]:
                 at += size + 2
             commands.append(command)
     return commands
+
+
+def _delivery_tag(message: bytes) -> str:
+    properties = json.loads(message).get("properties")
+    return str(properties.get("delivery_tag", "")) if isinstance(properties, dict) else ""
 
 
 def _task_id(message: bytes | dict[str, object]) -> str:

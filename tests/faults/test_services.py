@@ -103,7 +103,8 @@ def test_popped_at_kill_names_only_messages_popped_and_never_recorded(
     broker = redis.Redis.from_url(private_redis.url())
 
     def message(task: str) -> bytes:
-        return json.dumps({"body": "", "headers": {"id": task}, "properties": {}}).encode()
+        return json.dumps({"body": "", "headers": {"id": task},
+                           "properties": {"delivery_tag": f"tag-{task}"}}).encode()
 
     broker.lpush("celery", message("early"), message("recorded"), message("in-flight"),
                  message("queued"))
@@ -113,5 +114,5 @@ def test_popped_at_kill_names_only_messages_popped_and_never_recorded(
     broker.rpop("celery")  # "recorded" and "in-flight": popped, only one recorded
     broker.hset("unacked", "tag-1", json.dumps([json.loads(message("recorded")), "", "celery"]))
     private_redis.kill()
-    assert private_redis.popped_at_kill() == {"in-flight"}
-    assert private_redis.popped_at_kill(tail=1) == set(), "only the last commands count"
+    assert private_redis.popped_at_kill() == {"in-flight": "tag-in-flight"}
+    assert private_redis.popped_at_kill(tail=1) == {}, "only the last commands count"
