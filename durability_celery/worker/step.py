@@ -6,6 +6,7 @@
 # pool threads only release.
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -251,11 +252,28 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
 
     def stop(self, c: Any) -> None:
         self._close_gate()
-        super().stop(c)
+        self._close_consumers(c, cancel=True)
 
     def shutdown(self, c: Any) -> None:
         self._close_gate()
-        super().shutdown(c)
+        self._close_consumers(c, cancel=False)
+
+    def _close_consumers(self, c: Any, *, cancel: bool) -> None:
+        """ConsumerStep's stop (`cancel`) or shutdown. When a lost broker connection makes
+        Celery restart its steps it has dropped `c.connection` already, and its own close
+        names the errors to ignore through it: a channel close failing on the dead broker
+        raised AttributeError ("Error on restarting GateStep"). The channels are dead
+        with their connection then, whatever their close raises."""
+        if c.connection is not None:
+            (super().stop if cancel else super().shutdown)(c)
+            return
+        consumers: list[Any] = self.consumers or []
+        for consumer in consumers:
+            if cancel:
+                with contextlib.suppress(Exception):
+                    consumer.cancel()
+            with contextlib.suppress(Exception):
+                consumer.channel.close()
 
     def _close_gate(self) -> None:
         self._running = False  # a wake already scheduled must not publish on a closed channel

@@ -95,3 +95,23 @@ def test_a_worker_with_a_task_queue_begins_its_gate_at_start(durability: Durabil
     step.start(c)
     assert step.began and len(c.timer.repeated) == 2 and step.consumers
     step.stop(c)
+
+
+@pytest.mark.parametrize("stop", ["stop", "shutdown"])
+def test_a_stop_after_celery_dropped_a_lost_connection_is_quiet(durability: Durability,
+                                                                stop: str) -> None:
+    # A lost broker: Celery drops its connection, then stops (restarts) its steps, and
+    # the reply channel's close fails on the dead broker.
+    step, c = gate_step(durability, [durability.control_queue, "accounts"])
+    step.start(c)
+    (consumer,) = step.consumers
+    closed: list[bool] = []
+
+    def close() -> None:
+        closed.append(True)
+        raise ConnectionResetError("the broker is gone")
+
+    consumer.channel.close = close
+    c.connection = None
+    getattr(step, stop)(c)
+    assert closed == [True]
