@@ -109,8 +109,9 @@ class PrivateRedis:
                 for key in args:
                     lists.pop(key, None)
             elif verb == b"HSET" and args[0] == b"unacked":
-                for value in args[2::2]:
-                    popped.pop(_task_id(json.loads(value)[0]), None)
+                for value in args[2::2]:  # kombu's record: [envelope, exchange, routing key]
+                    record = json.loads(value)
+                    popped.pop(_task_id(record[0] if isinstance(record, list) else None), None)
         cutoff = len(commands) - tail
         return {task: tag for task, (index, tag) in popped.items() if task and index >= cutoff}
 
@@ -135,14 +136,24 @@ def _resp_commands(data: bytes) -> list[list[bytes]]:
     return commands
 
 
-def _delivery_tag(message: bytes) -> str:
-    properties = json.loads(message).get("properties")
+def _message(value: bytes | object) -> dict[str, object]:
+    """A kombu envelope pushed on a list or kept in the unacked hash; {} for anything else
+    (another list's entries)."""
+    if isinstance(value, bytes):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _delivery_tag(value: bytes) -> str:
+    properties = _message(value).get("properties")
     return str(properties.get("delivery_tag", "")) if isinstance(properties, dict) else ""
 
 
-def _task_id(message: bytes | dict[str, object]) -> str:
-    raw = json.loads(message) if isinstance(message, bytes) else message
-    headers = raw.get("headers")
+def _task_id(value: bytes | object) -> str:
+    headers = _message(value).get("headers")
     return str(headers.get("id", "")) if isinstance(headers, dict) else ""
 
 
