@@ -116,12 +116,12 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
                      if task in ids and f"message {tag} was taken" not in logs}
     expected = set(ids)
 
-    def unsent() -> set[str]:
-        return in_flight - set(cluster.starts())
+    def all_ran_and_ended() -> bool:
+        started = set(cluster.starts())
+        unsent = in_flight - started
+        return started | unsent >= expected and set(cluster.ends()) | lost | unsent >= expected
 
-    cluster.wait_for("every task to run and end", lambda: (
-        set(cluster.starts()) | unsent() >= expected
-        and set(cluster.ends()) | lost | unsent() >= expected),
+    cluster.wait_for("every task to run and end", all_ran_and_ended,
         timeout=timeout, context=lambda: (
             f"{len(expected - set(cluster.starts()))} not started, "
             f"{len(expected - set(cluster.ends()) - lost)} not ended; holder state: "
@@ -130,9 +130,9 @@ def check_invariants(cluster: FaultCluster, ids: list[str], *, limits: dict[str,
             f"{broker_whereabouts(cluster, expected - set(cluster.ends()) - lost)}\n"
             f"{cluster.logs()}"))
     last_end = time.time()
-    lost_by_broker = unsent()
-    assert not any(broker_holds(cluster, lost_by_broker).values()), (
-        f"the broker still holds tasks that never ran: {broker_holds(cluster, lost_by_broker)}")
+    lost_by_broker = in_flight - set(cluster.starts())
+    held = broker_holds(cluster, lost_by_broker)
+    assert not any(held.values()), f"the broker still holds tasks that never ran: {held}"
     expected -= lost_by_broker
     starts = cluster.starts()
     twice = {i: n for i, n in starts.items() if i in expected and n != 1}

@@ -101,17 +101,18 @@ class PrivateRedis:
                 queue = lists.setdefault(args[0], [])
                 for value in args[1:]:
                     queue.insert(0, value) if verb == b"LPUSH" else queue.append(value)
-                    popped.pop(_task_id(value), None)
+                    popped.pop(_task_id(_message(value)), None)
             elif verb in (b"RPOP", b"LPOP") and lists.get(args[0]):
-                value = lists[args[0]].pop(-1 if verb == b"RPOP" else 0)
-                popped[_task_id(value)] = (index, _delivery_tag(value))
+                message = _message(lists[args[0]].pop(-1 if verb == b"RPOP" else 0))
+                popped[_task_id(message)] = (index, _delivery_tag(message))
             elif verb == b"DEL":
                 for key in args:
                     lists.pop(key, None)
             elif verb == b"HSET" and args[0] == b"unacked":
                 for value in args[2::2]:  # kombu's record: [envelope, exchange, routing key]
                     record = json.loads(value)
-                    popped.pop(_task_id(record[0] if isinstance(record, list) else None), None)
+                    envelope = _message(record[0] if isinstance(record, list) else None)
+                    popped.pop(_task_id(envelope), None)
         cutoff = len(commands) - tail
         return {task: tag for task, (index, tag) in popped.items() if task and index >= cutoff}
 
@@ -147,13 +148,13 @@ def _message(value: bytes | object) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-def _delivery_tag(value: bytes) -> str:
-    properties = _message(value).get("properties")
+def _delivery_tag(message: dict[str, object]) -> str:
+    properties = message.get("properties")
     return str(properties.get("delivery_tag", "")) if isinstance(properties, dict) else ""
 
 
-def _task_id(value: bytes | object) -> str:
-    headers = _message(value).get("headers")
+def _task_id(message: dict[str, object]) -> str:
+    headers = message.get("headers")
     return str(headers.get("id", "")) if isinstance(headers, dict) else ""
 
 
