@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from itertools import pairwise
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from ..errors import InvalidMessage
 from .fields import (
     MAX_COUNT,
     MAX_ENTRIES,
+    MAX_ID_LENGTH,
     MAX_KEY_LENGTH,
     VERSION,
     ident,
@@ -32,19 +35,25 @@ MAX_QUEUED_AT_TOTAL = MAX_ENTRIES
 """Most enqueue times one message may list over all its demand entries: a message
 stays about as large as MAX_ENTRIES entries allow."""
 
+# The wire's rules that a type can state, for msgspec.convert (parse_request's fast
+# path); building a struct directly checks none of them.
+_Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
+_Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+_Time = Annotated[float, Meta(ge=0, le=sys.float_info.max)]
+
 
 class DemandEntry(msgspec.Struct, frozen=True):
     """Queued items of one group that hold no permit yet."""
 
-    group: str | None
-    count: int
-    oldest_at: float
-    queued_at: tuple[float, ...] = ()
+    group: _Id | None
+    count: _Count
+    oldest_at: _Time
+    queued_at: Annotated[tuple[_Time, ...], Meta(max_length=MAX_QUEUED_AT)] = ()
     """Enqueue times of the oldest items, oldest first (optional; the first is
     `oldest_at`). Grants go to the oldest items across clients, not to whole
     demands: two workers fed by one broker both hold old work, and giving the
     oldest demand all of it left the other worker's slots empty."""
-    ready: int | None = None
+    ready: _Count | None = None
     """How many of the oldest items the client can start now, on a pool slot that is
     free (optional; None: all). The rest wait for a slot to come free; the holder
     grants ready items first, so a permit goes where it runs at once."""
@@ -68,17 +77,17 @@ class DemandEntry(msgspec.Struct, frozen=True):
 
 
 class GrantReport(msgspec.Struct, frozen=True):
-    grant_id: str
-    claimed: int
-    released: int
+    grant_id: _Id
+    claimed: _Count
+    released: _Count
 
 
 class LeaseReport(msgspec.Struct, frozen=True):
-    lease_id: str
-    drawn: int
-    released: int
+    lease_id: _Id
+    drawn: _Count
+    released: _Count
     stopped: bool = False
-    group: str | None = None
+    group: _Id | None = None
     """The lease's group, as its client knows it (optional, beyond the spec). The holder
     reads it only when it adopts a lease it does not know (a late claim's, or one it
     dropped unacknowledged): its own record of a lease it knows wins."""
@@ -88,10 +97,10 @@ class Request(msgspec.Struct, frozen=True):
     """A validated `request` or `sync` message (a sync carries no demand)."""
 
     type: Literal["request", "sync"]
-    client_id: str
-    demand: tuple[DemandEntry, ...] = ()
-    grants: tuple[GrantReport, ...] = ()
-    leases: tuple[LeaseReport, ...] = ()
+    client_id: _Id
+    demand: Annotated[tuple[DemandEntry, ...], Meta(max_length=MAX_ENTRIES)] = ()
+    grants: Annotated[tuple[GrantReport, ...], Meta(max_length=MAX_ENTRIES)] = ()
+    leases: Annotated[tuple[LeaseReport, ...], Meta(max_length=MAX_ENTRIES)] = ()
     supports_leases: bool = False
 
     def to_wire(self, *, semaphore: str, key: str) -> dict[str, Any]:
@@ -257,6 +266,60 @@ def check_key(key: object) -> str:
 
 def parse_request(raw: object, *, semaphore: str, key: str) -> Request:
     """Validate one wire message addressed to (semaphore, key)."""
+    request = _convert(raw, semaphore, key)
+    return request if request is not None else _parse_field_by_field(raw, semaphore, key)
+
+
+def _convert(raw: object, semaphore: str, key: str) -> Request | None:
+    """The message as msgspec.convert reads it (in C) and the rules no type states, or
+    None if it breaks any: the field-by-field parser then says which. Stricter than that
+    parser, never laxer (an integral float version, a mapping not a dict go the slow way)."""
+    if type(raw) is not dict:
+        return None
+    version = raw.get("v")
+    if type(version) is not int or version != VERSION or raw.get("semaphore") != semaphore \
+            or raw.get("key") != key:
+        return None
+    try:
+        request = msgspec.convert(raw, Request)
+    except msgspec.ValidationError:
+        return None
+    if request.type == "sync" and raw.get("demand"):
+        return None
+    if request.demand and not _fair_demand(request.demand):
+        return None
+    if request.grants and not _fair_marks(
+            [(g.grant_id, g.claimed, g.released) for g in request.grants]):
+        return None
+    if request.leases and not _fair_marks(
+            [(le.lease_id, le.drawn, le.released) for le in request.leases]):
+        return None
+    return request
+
+
+def _fair_demand(demand: tuple[DemandEntry, ...]) -> bool:
+    """What _demand checks beyond the types: groups unique, enqueue times from oldest_at
+    on, oldest first, no more than count or MAX_QUEUED_AT_TOTAL, ready within count."""
+    listed = 0
+    for entry in demand:
+        times = entry.queued_at
+        if times:
+            listed += len(times)
+            if len(times) > entry.count or times[0] != entry.oldest_at \
+                    or any(later < earlier for earlier, later in pairwise(times)):
+                return False
+        if entry.ready is not None and entry.ready > entry.count:
+            return False
+    return listed <= MAX_QUEUED_AT_TOTAL and len({e.group for e in demand}) == len(demand)
+
+
+def _fair_marks(marks: list[tuple[str, int, int]]) -> bool:
+    """What _marks checks beyond the types: ids unique, released within taken."""
+    return all(released <= taken for _, taken, released in marks) \
+        and len({ident for ident, _, _ in marks}) == len(marks)
+
+
+def _parse_field_by_field(raw: object, semaphore: str, key: str) -> Request:
     if not is_object(raw):
         raise InvalidMessage("message", "must be a JSON object")
     kind = required(raw, "type", "")
