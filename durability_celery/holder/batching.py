@@ -27,9 +27,10 @@ ALARM_MIN_DELAY = 0.1
 """A deadline at or before `now` from a reclaim is retried this much later, never in a hot loop."""
 
 PROMPT = 0.02
-"""Seconds a round waits to coalesce after a request that brings capacity back. Also the
-closest two rounds of one key ever run, so a chatty client cannot make its key's rounds
-a hot loop."""
+"""Seconds a round waits to coalesce after a request that brings capacity back while some
+client waits blocked for it (otherwise there is nothing to coalesce for: FREE_GATHER).
+Also the closest two rounds of one key ever run, so a chatty client cannot make its
+key's rounds a hot loop."""
 QUIET_CLIENT = 30
 """Periods after which a busy key's slot forgets a client it has not heard from."""
 FREE_GATHER = 0.002
@@ -199,7 +200,10 @@ class Batcher:
         if slot.fresh_at is not None:
             times.append(slot.fresh_at + min(FREE_GATHER, round_wait))
         if slot.freed_at is not None:
-            times.append(slot.freed_at + min(PROMPT, round_wait))
+            # Coalescing returns serves blocked demand only; a free key's returned permit
+            # and the request for its next task, right after, wait for nothing.
+            gather = PROMPT if slot.blocked else FREE_GATHER
+            times.append(slot.freed_at + min(gather, round_wait))
         if slot.parked_at is not None:
             at = slot.parked_at + round_wait
             if last is not None:

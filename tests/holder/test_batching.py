@@ -76,6 +76,17 @@ def test_a_contended_key_batches_until_capacity_comes_back() -> None:
     assert b.round_at(K) == pytest.approx(1.7 + PROMPT)
 
 
+def test_capacity_back_on_a_key_nobody_waits_for_runs_within_a_moment() -> None:
+    # Nothing to coalesce returns for: the permit a free key's worker gave back, and the
+    # request for its next task just after, each get a round as a fresh request does.
+    b = batcher()
+    b.add(K, req(10.0, 1))
+    b.take_due(10.0 + FREE_GATHER)
+    b.finished(K, blocked={"client-1": frozenset()})
+    b.add(K, req(10.5, 1, released=1))
+    assert b.round_at(K) == pytest.approx(10.5 + FREE_GATHER)
+
+
 def test_rounds_of_one_contended_key_are_round_period_apart() -> None:
     b = after_one_round()
     b.add(K, req(1.5, 2))  # its round_wait ends at 2.5, the period at 3.0
