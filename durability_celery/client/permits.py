@@ -52,6 +52,7 @@ class Settings(Protocol):
     claim_margin: float
     handoff_window: float
     handoff_linger: float
+    free_slots: Callable[[], int] | None
 
     stopped: bool
 
@@ -262,24 +263,40 @@ class Permits:
 
     def _older_elsewhere(self, key: str, group: str | None, successor: Order,
                          now: float) -> bool:
-        """Whether an item of another key or group, queued before `successor`, could take
-        the slot instead: it has a permit at hand, or its group was not left blocked by
-        its key's last reply (a round trip away), and its key runs no more items here
+        """Whether items of other keys or groups, queued before `successor`, would be kept
+        out of a slot if it took this one, counting only keys that run no more items here
         than `key` now does. The pool is shared by every key, and passing a permit on
-        within its key would keep the keys already running in the slots while older work
-        of others waits: with no free slot, those keys would not even ask for permits.
-        But a key that gave its only slot to older work of a key already running here
-        lost it at every end: a key of limit 1, a serial chain, then finished last."""
+        within its key would keep the keys already running in the slots while older
+        work of others waits: with no free slot, those keys would not even ask for
+        permits. So with this slot the pool's last free one (or its slots unknown), one
+        older item gets it that holds a permit at hand or is a round trip from one (its
+        group was not left blocked by its key's last reply). With other slots free, only
+        older items that could start now count, as many as the free slots: the rest get
+        a free slot when their permits come, and giving this permit back would only cost
+        the successor a round trip too (many keys of short tasks on a small pool would
+        run one task per round trip each, the pool idle meanwhile). A key that gave its
+        only slot to older work of a key already running here lost it at every end: a
+        key of limit 1, a serial chain, then finished last."""
+        free_slots = self._settings.free_slots
+        free = 1 if free_slots is None else free_slots()
         running: Counter[str] | None = None
+        ready = 0
         for other, groups in self._queues.items():
             for other_group, queue in groups.items():
-                if ((other, other_group) != (key, group) and queue[0] < successor
-                        and (not self._blocked(other, other_group)
-                             or self.held(other, other_group, now) > 0)):
-                    if running is None:
-                        running = Counter(p.key for p in self.admitted.values())
-                    if running[other] <= running[key]:
+                if (other, other_group) == (key, group) or not queue[0] < successor:
+                    continue
+                if running is None:
+                    running = Counter(p.key for p in self.admitted.values())
+                if running[other] > running[key]:
+                    continue
+                at_hand = self.held(other, other_group, now)
+                if free <= 1:
+                    if at_hand or not self._blocked(other, other_group):
                         return True
+                    continue
+                ready += min(at_hand, bisect.bisect_left(queue, successor))
+                if ready >= free:
+                    return True
         return False
 
     def _older_waits(self, key: str, group: str | None, successor: Order) -> bool:

@@ -750,6 +750,33 @@ def test_an_older_item_of_another_key_takes_the_slot_unless_it_is_blocked(
         assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
 
 
+@pytest.mark.parametrize(("free", "older", "at_hand", "passed_on"), [
+    (None, 1, 0, False), (1, 1, 0, False), (2, 2, 0, True), (2, 1, 1, True),
+    (2, 2, 2, False)])
+def test_with_slots_free_only_older_items_that_can_start_now_take_the_slot(
+        free: int | None, older: int, at_hand: int, passed_on: bool) -> None:
+    # Older items of another key a round trip from their permits take the pool's last
+    # free slot (the ending item's); with others free, they will find one when their
+    # permits come, and giving this one back would only cost the successor a round trip.
+    # Older items with permits at hand take the slot while they outnumber the free ones.
+    clock = FakeClock()
+    client = granted(clock, items=((None, "young", 9.0),))
+    if free is not None:
+        client.capacity = 4
+        client.free_slots = lambda: free
+    for n in range(older):
+        client.enqueue("acct-2", None, f"older-{n}", enqueued_at=2.0 + n)
+    client.message("acct-2")
+    client.on_response("acct-2", reply(clock.now, key="acct-2", grants=[
+        grant("g2", permits=at_hand, claim_deadline=clock.now + 10)] if at_hand else []))
+    passed = client.pass_on("run-0")
+    assert (passed is not None) is passed_on
+    if passed is not None:
+        assert passed.item_id == "young"
+    else:
+        assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
+
+
 @pytest.mark.parametrize(("running", "passed_on"), [(0, False), (1, True)])
 def test_the_slot_goes_to_an_older_item_of_a_key_running_no_more_here(
         running: int, passed_on: bool) -> None:
