@@ -1,6 +1,8 @@
 # Request and sync messages, client to holder: building one (Request.to_wire) and
-# validating one strictly (parse_request). A message that fails validation raises
-# InvalidMessage naming the field; parsing never changes any state.
+# validating one strictly (parse_request): the rules a type states, in C with a
+# field-by-field fallback that names the bad field, then the rules no type states,
+# once for both. A message that fails raises InvalidMessage naming the field;
+# parsing never changes any state.
 from __future__ import annotations
 
 import math
@@ -180,59 +182,39 @@ def _entries(message: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
 
 
 def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
-    seen: set[str | None] = set()
     demand: list[DemandEntry] = []
-    listed = 0
     for i, raw in enumerate(_entries(message, "demand")):
         where = f"demand[{i}]."
         group = optional_ident(required(raw, "group", where), where, "group")
-        if group in seen:
-            raise InvalidMessage(f"{where}group", f"{group!r} appears twice")
-        seen.add(group)
         count = _count(required(raw, "count", where), where, "count")
         oldest_at = _time(required(raw, "oldest_at", where), where, "oldest_at")
-        queued_at = _queued_at(raw.get("queued_at", []), f"{where}queued_at", count, oldest_at)
-        listed += len(queued_at)
-        if listed > MAX_QUEUED_AT_TOTAL:
-            raise InvalidMessage(f"{where}queued_at",
-                                 f"the message lists more than {MAX_QUEUED_AT_TOTAL} times")
+        queued_at = _queued_at(raw.get("queued_at", []), f"{where}queued_at")
         ready = raw.get("ready")
         if ready is not None:
             ready = _count(ready, where, "ready")
-            if ready > count:
-                raise InvalidMessage(f"{where}ready", f"{ready} is more than count {count}")
         demand.append(DemandEntry(group, count, oldest_at, queued_at, ready))
     return tuple(demand)
 
 
-def _queued_at(value: Any, field: str, count: int, oldest_at: float) -> tuple[float, ...]:
+def _queued_at(value: Any, field: str) -> tuple[float, ...]:
     if not isinstance(value, list):
         raise InvalidMessage(field, "must be a list")
-    if len(value) > min(count, MAX_QUEUED_AT):
-        raise InvalidMessage(field, f"lists more than count or {MAX_QUEUED_AT} times")
-    times = tuple([_time(at, field, i) for i, at in enumerate(value)])
-    if times and times[0] != oldest_at:
-        raise InvalidMessage(field, "must start at oldest_at")
-    if any(later < earlier for earlier, later in pairwise(times)):
-        raise InvalidMessage(field, "must be oldest first")
-    return times
+    if len(value) > MAX_QUEUED_AT:
+        raise InvalidMessage(field, _TOO_MANY_TIMES)
+    return tuple([_time(at, field, i) for i, at in enumerate(value)])
+
+
+_TOO_MANY_TIMES = f"lists more than count or {MAX_QUEUED_AT} times"
 
 
 def _marks(message: Mapping[str, Any], field: str, id_name: str, taken_name: str
            ) -> Iterator[tuple[str, Mapping[str, Any], str, int, int]]:
-    """Each report of `field` ("grants" or "leases"): (where, entry, id, taken, released),
-    its id unique in the message and its released mark not above its taken one."""
-    seen: set[str] = set()
+    """Each report of `field` ("grants" or "leases"): (where, entry, id, taken, released)."""
     for i, raw in enumerate(_entries(message, field)):
         where = f"{field}[{i}]."
         entry_id = ident(required(raw, id_name, where), where, id_name)
-        if entry_id in seen:
-            raise InvalidMessage(f"{where}{id_name}", f"{entry_id!r} appears twice")
-        seen.add(entry_id)
         taken = _count(required(raw, taken_name, where), where, taken_name)
         released = _count(required(raw, "released", where), where, "released")
-        if released > taken:
-            raise InvalidMessage(f"{where}released", f"cannot exceed {taken_name}")
         yield where, raw, entry_id, taken, released
 
 
@@ -252,6 +234,50 @@ def _lease_reports(message: Mapping[str, Any]) -> tuple[LeaseReport, ...]:
     return tuple(reports)
 
 
+def _check_rules(request: Request) -> Request:
+    """The request, if it keeps the rules no type states (InvalidMessage naming the field
+    if not): demand groups unique; enqueue times no more than count, from oldest_at on,
+    oldest first, and no more than MAX_QUEUED_AT_TOTAL in all; ready within count; report
+    ids unique in their list, and released marks within claimed or drawn ones."""
+    groups: set[str | None] = set()
+    listed = 0
+    for i, entry in enumerate(request.demand):
+        if entry.group in groups:
+            raise InvalidMessage(f"demand[{i}].group", f"{entry.group!r} appears twice")
+        groups.add(entry.group)
+        times = entry.queued_at
+        if times:
+            if len(times) > entry.count:
+                raise InvalidMessage(f"demand[{i}].queued_at", _TOO_MANY_TIMES)
+            if times[0] != entry.oldest_at:
+                raise InvalidMessage(f"demand[{i}].queued_at", "must start at oldest_at")
+            if any(later < earlier for earlier, later in pairwise(times)):
+                raise InvalidMessage(f"demand[{i}].queued_at", "must be oldest first")
+            listed += len(times)
+            if listed > MAX_QUEUED_AT_TOTAL:
+                raise InvalidMessage(f"demand[{i}].queued_at",
+                                     f"the message lists more than {MAX_QUEUED_AT_TOTAL} times")
+        if entry.ready is not None and entry.ready > entry.count:
+            raise InvalidMessage(f"demand[{i}].ready",
+                                 f"{entry.ready} is more than count {entry.count}")
+    _check_marks("grants", "grant_id", "claimed",
+                 [(g.grant_id, g.claimed, g.released) for g in request.grants])
+    _check_marks("leases", "lease_id", "drawn",
+                 [(le.lease_id, le.drawn, le.released) for le in request.leases])
+    return request
+
+
+def _check_marks(field: str, id_name: str, taken_name: str,
+                 marks: list[tuple[str, int, int]]) -> None:
+    seen: set[str] = set()
+    for i, (entry_id, taken, released) in enumerate(marks):
+        if entry_id in seen:
+            raise InvalidMessage(f"{field}[{i}].{id_name}", f"{entry_id!r} appears twice")
+        seen.add(entry_id)
+        if released > taken:
+            raise InvalidMessage(f"{field}[{i}].released", f"cannot exceed {taken_name}")
+
+
 def check_key(key: object) -> str:
     """`key` if the holder can serve it; else InvalidMessage, before any round: an empty
     or over-long key would reach the database and fail the round of every request
@@ -267,13 +293,16 @@ def check_key(key: object) -> str:
 def parse_request(raw: object, *, semaphore: str, key: str) -> Request:
     """Validate one wire message addressed to (semaphore, key)."""
     request = _convert(raw, semaphore, key)
-    return request if request is not None else _parse_field_by_field(raw, semaphore, key)
+    if request is None:
+        request = _parse_field_by_field(raw, semaphore, key)
+    return _check_rules(request)
 
 
 def _convert(raw: object, semaphore: str, key: str) -> Request | None:
-    """The message as msgspec.convert reads it (in C) and the rules no type states, or
-    None if it breaks any: the field-by-field parser then says which. Stricter than that
-    parser, never laxer (an integral float version, a mapping not a dict go the slow way)."""
+    """The message as msgspec.convert reads it (in C), or None if it breaks any rule a
+    type states: the field-by-field parser then says which. Stricter than that parser,
+    never laxer (an integral float version, a mapping not a dict go the slow way).
+    Neither checks the rules no type states (_check_rules)."""
     if type(raw) is not dict:
         return None
     version = raw.get("v")
@@ -286,37 +315,7 @@ def _convert(raw: object, semaphore: str, key: str) -> Request | None:
         return None
     if request.type == "sync" and raw.get("demand"):
         return None
-    if request.demand and not _fair_demand(request.demand):
-        return None
-    if request.grants and not _fair_marks(
-            [(g.grant_id, g.claimed, g.released) for g in request.grants]):
-        return None
-    if request.leases and not _fair_marks(
-            [(le.lease_id, le.drawn, le.released) for le in request.leases]):
-        return None
     return request
-
-
-def _fair_demand(demand: tuple[DemandEntry, ...]) -> bool:
-    """What _demand checks beyond the types: groups unique, enqueue times from oldest_at
-    on, oldest first, no more than count or MAX_QUEUED_AT_TOTAL, ready within count."""
-    listed = 0
-    for entry in demand:
-        times = entry.queued_at
-        if times:
-            listed += len(times)
-            if len(times) > entry.count or times[0] != entry.oldest_at \
-                    or any(later < earlier for earlier, later in pairwise(times)):
-                return False
-        if entry.ready is not None and entry.ready > entry.count:
-            return False
-    return listed <= MAX_QUEUED_AT_TOTAL and len({e.group for e in demand}) == len(demand)
-
-
-def _fair_marks(marks: list[tuple[str, int, int]]) -> bool:
-    """What _marks checks beyond the types: ids unique, released within taken."""
-    return all(released <= taken for _, taken, released in marks) \
-        and len({ident for ident, _, _ in marks}) == len(marks)
 
 
 def _parse_field_by_field(raw: object, semaphore: str, key: str) -> Request:

@@ -1,8 +1,8 @@
 # parse_request reads a message in C (msgspec.convert) and falls back to the
-# field-by-field parser, which names the bad field, when that fails. The fast path
-# may refuse more, never less: whatever it accepts, the slow one accepts as the
-# same Request; and every message a client sends takes it. Each rule's own bad
-# message goes through both paths in test_validation.
+# field-by-field parser, which names the bad field, when that fails; the rules no
+# type states are checked after either, once. The fast path may refuse more, never
+# less: whatever it accepts, the slow one accepts as the same Request; and every
+# message a client sends takes it. Each rule's own bad message is in test_validation.
 from __future__ import annotations
 
 from typing import Any
