@@ -277,24 +277,25 @@ class Permits:
         run one task per round trip each, the pool idle meanwhile). A key that gave its
         only slot to older work of a key already running here lost it at every end: a
         key of limit 1, a serial chain, then finished last."""
-        free_slots = self._settings.free_slots
-        free = 1 if free_slots is None else free_slots()
         running: Counter[str] | None = None
-        ready = 0
+        free = ready = 0
         for other, groups in self._queues.items():
             for other_group, queue in groups.items():
                 if (other, other_group) == (key, group) or not queue[0] < successor:
                     continue
-                if running is None:
+                if running is None:  # read once, and only once older work is queued
                     running = Counter(p.key for p in self.admitted.values())
+                    free_slots = self._settings.free_slots
+                    free = 1 if free_slots is None else free_slots()
                 if running[other] > running[key]:
                     continue
-                at_hand = self.held(other, other_group, now)
                 if free <= 1:
-                    if at_hand or not self._blocked(other, other_group):
+                    if (not self._blocked(other, other_group)
+                            or self.held(other, other_group, now)):
                         return True
                     continue
-                ready += min(at_hand, bisect.bisect_left(queue, successor))
+                ready += min(self.held(other, other_group, now),
+                             bisect.bisect_left(queue, successor))
                 if ready >= free:
                     return True
         return False
