@@ -181,6 +181,11 @@ def _entries(message: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
     return value
 
 
+_TOO_MANY_TIMES = f"lists more than count or {MAX_QUEUED_AT} times"
+"""The error of a demand entry's queued_at longer than its count or MAX_QUEUED_AT (a type
+rule in the field-by-field parser, one of _check_rules' for the count)."""
+
+
 def _demand(message: Mapping[str, Any]) -> tuple[DemandEntry, ...]:
     demand: list[DemandEntry] = []
     for i, raw in enumerate(_entries(message, "demand")):
@@ -202,9 +207,6 @@ def _queued_at(value: Any, field: str) -> tuple[float, ...]:
     if len(value) > MAX_QUEUED_AT:
         raise InvalidMessage(field, _TOO_MANY_TIMES)
     return tuple([_time(at, field, i) for i, at in enumerate(value)])
-
-
-_TOO_MANY_TIMES = f"lists more than count or {MAX_QUEUED_AT} times"
 
 
 def _marks(message: Mapping[str, Any], field: str, id_name: str, taken_name: str
