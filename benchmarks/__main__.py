@@ -103,6 +103,13 @@ def run_contention(plan: Plan, database: str) -> tuple[list[dict[str, Any]],
     return busy, latency
 
 
+def _counts(name: str, listed: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(item) for item in filter(None, listed.split(",")))
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of counts, got {listed!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a short run (about 2 minutes)")
@@ -114,13 +121,16 @@ def main() -> None:
                         "count (default 5); results go to results-custom.* files")
     parser.add_argument("--pools", help="comma list of overhead pools: threads,prefork,solo "
                         "(default threads and prefork, then solo); results-custom.* files")
+    parser.add_argument("--keys", help="comma list of overhead key counts: 1,16 (default "
+                        "both); results-custom.* files")
     parser.add_argument("--targets-only", action="store_true", help="overhead: only the "
                         "variants with targets (no DIY, one-shot, fast rounds, raised hold)")
     options = parser.parse_args()
     pools = None if options.pools is None else tuple(filter(None, options.pools.split(",")))
     try:
+        keys = None if options.keys is None else _counts("keys", options.keys)
         plan = customize(make_plan(options.quick), passes=options.passes, pools=pools,
-                         targets_only=options.targets_only)
+                         keys=keys, targets_only=options.targets_only)
     except ValueError as exc:
         parser.error(str(exc))
     skip = set(filter(None, options.skip.split(",")))

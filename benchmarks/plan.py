@@ -130,13 +130,18 @@ def between_plain(variants: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def customize(plan: Plan, *, passes: int | None = None, pools: tuple[str, ...] | None = None,
-              targets_only: bool = False) -> Plan:
+              keys: tuple[int, ...] | None = None, targets_only: bool = False) -> Plan:
     """Narrow the overhead section for a longer look at fewer cells (say 12 passes of
     threads alone: a cell's median then moves less than the five passes' +-0.05).
     Raises ValueError on a count or pool it cannot run."""
-    if passes is None and pools is None and not targets_only:
+    if passes is None and pools is None and keys is None and not targets_only:
         return plan
     changes: dict[str, Any] = {"custom": True}
+    if keys is not None:
+        if set(keys) - set(plan.overhead_keys) or not keys:
+            raise ValueError(f"keys must be some of {', '.join(map(str, plan.overhead_keys))}, "
+                             f"got {', '.join(map(str, keys)) or 'none'}")
+        changes["overhead_keys"] = tuple(k for k in plan.overhead_keys if k in keys)
     if passes is not None:
         if not 1 <= passes <= MAX_PASSES:
             raise ValueError(f"passes must be 1 to {MAX_PASSES}, got {passes}")

@@ -44,8 +44,13 @@ def test_solo_listed_runs_the_same_passes() -> None:
     assert plan.pass_variants(0) == make_plan(False).pass_variants(0)
 
 
+def test_key_counts_narrow_to_those_listed() -> None:
+    plan = customize(make_plan(False), keys=(16,))
+    assert (plan.overhead_keys, plan.suffix) == ((16,), "-custom")
+
+
 @pytest.mark.parametrize("options", [{"passes": 0}, {"passes": 51}, {"pools": ("gevent",)},
-                                     {"pools": ()}])
+                                     {"pools": ()}, {"keys": (4,)}, {"keys": ()}])
 def test_counts_and_pools_it_cannot_run_are_refused(options: dict[str, object]) -> None:
-    with pytest.raises(ValueError, match=r"(passes|pools) must be"):
+    with pytest.raises(ValueError, match=r"(passes|pools|keys) must be"):
         customize(make_plan(False), **options)  # type: ignore[arg-type]
