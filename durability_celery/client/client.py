@@ -57,6 +57,10 @@ class SemaphoreClient:
     allocated first), leaving each worker a grant sized by who asked first."""
     stopped: bool
     """stop() ran: nothing more is admitted, every lease is reported stopped (read only)."""
+    roomy_linger: float
+    """How long a finished item's permit waits for its key's next item while the key's
+    last reply said the key and the permit's group had permits free (handoff_linger
+    otherwise, and nothing while others wait: see Permits._linger_until)."""
     free_slots: Callable[[], int] | None
     """The pool's free slots now, shared by every key (None: unknown). With it, a key
     asks for no more than those and the soon-free ones (Room.of), whatever its
@@ -66,16 +70,17 @@ class SemaphoreClient:
     def __init__(self, semaphore: str, *, client_id: str, supports_leases: bool = True,
                  claim_margin: float = 1.0, request_timeout: float = 5.0,
                  handoff_window: float = 0.0, handoff_linger: float = 0.0,
-                 capacity: int | None = None, lease_idle: float | None = None,
-                 supersede_after: float | None = None, supersede_demand: bool = True,
-                 ask_early: float = 0.0,
+                 roomy_linger: float = 0.0, capacity: int | None = None,
+                 lease_idle: float | None = None, supersede_after: float | None = None,
+                 supersede_demand: bool = True, ask_early: float = 0.0,
                  clock: Callable[[], float] = time.time) -> None:
         if not isinstance(semaphore, str) or not semaphore:
             raise CallerError("semaphore must be a non-empty string")
         if not isinstance(client_id, str) or not client_id:
             raise CallerError("client_id must be a non-empty string")
         for name, value in (("claim_margin", claim_margin), ("handoff_window", handoff_window),
-                            ("handoff_linger", handoff_linger), ("lease_idle", lease_idle),
+                            ("handoff_linger", handoff_linger), ("roomy_linger", roomy_linger),
+                            ("lease_idle", lease_idle),
                             ("supersede_after", supersede_after), ("ask_early", ask_early),
                             ("request_timeout", request_timeout)):
             if value is not None or name not in ("lease_idle", "supersede_after"):
@@ -101,6 +106,7 @@ class SemaphoreClient:
         self.request_timeout = float(request_timeout)
         self.handoff_window = float(handoff_window)
         self.handoff_linger = float(handoff_linger)
+        self.roomy_linger = float(roomy_linger)
         self.lease_idle = None if lease_idle is None else float(lease_idle)
         self.supersede_after = None if supersede_after is None else float(supersede_after)
         self.ask_early = float(ask_early)

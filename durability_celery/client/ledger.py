@@ -43,6 +43,9 @@ class KeyLedger:
     """Group -> (only its own permits serve it, enqueue times of others' items the last
     reply said wait, oldest first); a permit given back for one drops its time (see
     Permits.pass_on)."""
+    free: dict[str | None, int] = field(default_factory=dict)
+    """Group -> permits a new grant of it could still get when the last reply's round
+    ended (see wire.reply.Free): none listed for a group, none known."""
     returned: bool = False
     """Unused grant permits were given back since the last message: report at once."""
     tombstones: dict[str, float] = field(default_factory=dict)
@@ -111,6 +114,7 @@ class KeyLedger:
             self.blocked = {b.group: b for b in reply.blocked}
             self.waiting = {w.group: (w.reason == "group_limit", list(w.queued_at))
                             for w in reply.waiting}
+            self.free = {f.group: f.permits for f in reply.free}
             # Receipt time plus the holder's wait: a skewed holder clock cannot stall us.
             wait = max(0.0, reply.next_request_at - reply.round_at)
             schedule.next_request_at = now + max(0.0, wait - ask_early)

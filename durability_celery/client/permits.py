@@ -52,6 +52,7 @@ class Settings(Protocol):
     claim_margin: float
     handoff_window: float
     handoff_linger: float
+    roomy_linger: float
     free_slots: Callable[[], int] | None
 
     stopped: bool
@@ -246,7 +247,7 @@ class Permits:
         others wait too: a worker whose pool is full fetches the next message only as
         a task ends, moments after its permit came free."""
         key = permit.key
-        until = min(self._linger_until(key, now), usable_until)
+        until = min(self._linger_until(key, permit.group, now), usable_until)
         if until <= now:
             self.give_back(permit)
             return
@@ -321,13 +322,22 @@ class Permits:
         ledger = self._ledgers.get(key)
         return ledger is not None and group in ledger.blocked
 
-    def _linger_until(self, key: str, now: float) -> float:
-        """When a permit kept idle at `now` goes back: handoff_linger later, or at once
-        while others wait for the key (its last reply was contended or blocked): a
-        contended key's holder runs a round as soon as capacity comes back."""
+    def _linger_until(self, key: str, group: str | None, now: float) -> float:
+        """When a permit kept idle at `now` goes back: at once while others wait for the
+        key (its last reply was contended or blocked): a contended key's holder runs a
+        round as soon as capacity comes back. Else roomy_linger later while the last
+        reply said the key and the permit's group had permits free: another client's
+        request is served from those, and a worker taking in many keys' tasks slowly
+        would otherwise give each permit back just before its key's next task came.
+        Else handoff_linger later: another client's request not yet answered may wait
+        for this very permit."""
         if key in self._urgent:
             return now  # others wait, and the holder serves them as soon as it hears
-        return now + self._settings.handoff_linger
+        settings = self._settings
+        ledger = self._ledgers.get(key)
+        if ledger is not None and ledger.free.get(group, 0) > 0:
+            return now + max(settings.roomy_linger, settings.handoff_linger)
+        return now + settings.handoff_linger
 
     def pass_on_until(self, permit: Permit, now: float) -> float:
         """The local time until which `permit` may pass on to another item, as things

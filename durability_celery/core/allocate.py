@@ -45,6 +45,9 @@ class Allocation:
     grants: list[Grant] = field(default_factory=list)
     leases: list[Lease] = field(default_factory=list)
     unmet: dict[Pair, tuple[int, BlockedReason]] = field(default_factory=dict)
+    free: dict[str | None, int] = field(default_factory=dict)
+    """Permits a new grant of each group resolved this round (None: of no group) could
+    still get after it (see wire.reply.Free)."""
 
     @property
     def contended(self) -> bool:
@@ -144,7 +147,18 @@ def allocate(
             result.unmet[pair] = (count, result.unmet[pair][1])
         else:
             result.unmet.pop(pair, None)
+    result.free = _free(room, limits, config.leases)
     return result
+
+
+def _free(room: _Room, limits: ResolvedLimits, leases: Leases | None) -> dict[str | None, int]:
+    """Per group resolved this round, and for no group, what a new grant could get now."""
+    free = room.for_grants(leases)
+    left: dict[str | None, int] = {None: free}
+    for group in limits.resolved_groups():
+        group_room = room.for_group(limits.group_limit(group), group)
+        left[group] = free if group_room is None else min(free, group_room)
+    return left
 
 
 def _grant(

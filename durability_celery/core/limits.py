@@ -65,6 +65,10 @@ class ResolvedLimits:
             return None
         return self._groups[group]
 
+    def resolved_groups(self) -> list[str]:
+        """The groups whose ceiling this round has resolved (not those that failed)."""
+        return list(self._groups)
+
     def permitted(self, client_id: str, group: str | None) -> bool | None:
         """`can_grant` for (client, group); None when it raised or answered a non-bool."""
         pair = (client_id, group)

@@ -12,6 +12,7 @@ from typing import Any
 from ..wire.reply import (
     MAX_WAITING,
     blocked_entry,
+    free_entry,
     gone_grant_entry,
     grant_entry,
     lease_entry,
@@ -52,6 +53,7 @@ class ClientIndex:
             *(owners for *_, owners in self.waiting.values()))
         self._shared = [waiting_entry(group, reason, shown)
                         for group, (reason, _, shown, _) in self.waiting.items()]
+        self.free = [free_entry(group, permits) for group, permits in allocation.free.items()]
 
     def waiting_for(self, client_id: str) -> list[dict[str, Any]]:
         """The oldest items of other clients left waiting, per group (see Waiting)."""
@@ -152,4 +154,5 @@ def respond(
         leases=_leases(request, index),
         blocked=list(index.blocked.get(request.client_id, [])),
         waiting=index.waiting_for(request.client_id) if index.waiting else None,
+        free=index.free,
     )

@@ -69,6 +69,16 @@ class Waiting(msgspec.Struct, frozen=True):
     queued_at: tuple[float, ...]
 
 
+class Free(msgspec.Struct, frozen=True):
+    """Permits a new grant of one group (None: of no group) could still get when the
+    round ended, beyond the spec: the key's free permits, within the group's ceiling. A
+    client keeps a finished task's permit longer for the key's next task while some were
+    free, since another client's request is then served from those, not from that one."""
+
+    group: str | None
+    permits: int
+
+
 class GrantView(msgspec.Struct, frozen=True):
     """One grant as the holder reported it in a reply."""
 
@@ -111,6 +121,8 @@ class Reply(msgspec.Struct, frozen=True):
     blocked: tuple[Blocked, ...] = ()
     waiting: tuple[Waiting, ...] = ()
     """Others' oldest items waiting on this key (absent from older holders)."""
+    free: tuple[Free, ...] = ()
+    """Per group the round resolved (absent from older holders)."""
 
 
 class GrantFields(Protocol):
@@ -192,10 +204,15 @@ def waiting_entry(group: str | None, reason: str, queued_at: list[float]) -> dic
     return {"group": group, "reason": reason, "queued_at": queued_at}
 
 
+def free_entry(group: str | None, permits: int) -> dict[str, Any]:
+    return {"group": group, "permits": permits}
+
+
 def reply_body(*, semaphore: str, key: str, round_at: float, next_request_at: float,
                contended: bool, over_limit: bool, grants: list[dict[str, Any]],
                leases: list[dict[str, Any]], blocked: list[dict[str, Any]],
-               waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               waiting: list[dict[str, Any]] | None = None,
+               free: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The JSON-ready reply to one client's request for (semaphore, key)."""
     body = {
         "v": VERSION, "semaphore": semaphore, "key": key,
@@ -208,6 +225,8 @@ def reply_body(*, semaphore: str, key: str, round_at: float, next_request_at: fl
     }
     if waiting:
         body["waiting"] = waiting
+    if free:
+        body["free"] = free
     return body
 
 
@@ -306,6 +325,16 @@ def _waiting_list(raw: Mapping[str, Any]) -> tuple[Waiting, ...]:
     return waiting
 
 
+def _free_list(raw: Mapping[str, Any]) -> tuple[Free, ...]:
+    free = tuple(
+        Free(group=optional_ident(f.get("group"), f"free[{i}].group"),
+             permits=_count(required(f, "permits", f"free[{i}]."), f"free[{i}].permits"))
+        for i, f in enumerate(_list(raw, "free")))
+    if len({f.group for f in free}) < len(free):
+        raise InvalidMessage("free", "lists a group twice")
+    return free
+
+
 def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
     """Validate a holder reply for (semaphore, key); raises InvalidMessage naming the field."""
     if not is_object(raw):
@@ -332,6 +361,7 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
         leases=tuple(_lease(le, f"leases[{i}].") for i, le in enumerate(_list(raw, "leases"))),
         blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),
         waiting=_waiting_list(raw),
+        free=_free_list(raw),
     )
 
 

@@ -53,6 +53,12 @@ HANDOFF_LINGER = 0.05
 else waits for the key as far as its last reply said (SemaphoreClient.handoff_linger).
 Enough for a message already on its way here; longer, it strands the permit from a
 worker whose request reached the holder after that reply."""
+ROOMY_LINGER = 0.25
+"""Seconds such a permit waits while its key's last reply said permits of the key and of
+its group were still free: another worker's request is served from those, not from this
+one. A worker taking in the tasks of many keys more slowly than one per key per
+handoff_linger would give each permit back just before its key's next task came, and
+that task would wait a round trip."""
 CHAIN_BUDGET = 1.0
 """Seconds a solo worker runs admitted tasks back to back before Celery's loop turns
 (GateStep.run_deferred). Handing each task to the loop's next turn instead cost up to a
@@ -141,6 +147,7 @@ class GateStep(bootsteps.ConsumerStep):  # type: ignore[misc]
         return self.durability.semaphore_client(
             name, client_id=self.client_id, handoff_window=semaphore.handoff_window,
             handoff_linger=min(HANDOFF_LINGER, config.round_wait),
+            roomy_linger=min(ROOMY_LINGER, config.round_wait),
             # News sent by then reaches the holder within the round_wait it holds the
             # first request of a round for.
             supersede_after=config.round_wait / 2, supersede_demand=config.leases is None)

@@ -47,13 +47,16 @@ def reply(round_at: float, *, key: str = KEY, grants: list[dict[str, Any]] | Non
           leases: list[dict[str, Any]] | None = None, contended: bool = False,
           over_limit: bool = False, blocked: list[dict[str, Any]] | None = None,
           next_request_at: float | None = None,
-          waiting: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          waiting: list[dict[str, Any]] | None = None,
+          free: Any = None) -> dict[str, Any]:
     body = {"v": 1, "semaphore": SEM, "key": key, "round_at": round_at,
             "next_request_at": round_at + 2.0 if next_request_at is None else next_request_at,
             "contended": contended, "over_limit": over_limit, "grants": grants or [],
             "leases": leases or [], "blocked": blocked or []}
     if waiting is not None:
         body["waiting"] = waiting
+    if free is not None:
+        body["free"] = free
     return body
 
 

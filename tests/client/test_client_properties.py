@@ -1,6 +1,6 @@
 # Property test of SemaphoreClient alone: hypothesis drives random sequences of
 # enqueue / cancel / admit / release / stop, a small fake holder that answers
-# with random grants, leases, expiries, retirements and contention, and a wire
+# with random grants, leases, expiries, retirements, contention and free permits, and a wire
 # that loses, repeats and reorders replies. Whatever happens, the client never
 # admits an item twice, never uses more permits of a grant or lease than the
 # holder issued, never claims inside the claim margin, never draws from a lease
@@ -39,7 +39,7 @@ KEYS = ("k1", "k2")
 GROUPS = (None, "g")
 MARGIN = 1.0
 GRANT_TIMEOUT = 6.0
-URGENCY = ("calm", "calm", "contended", "blocked", "waiting")
+URGENCY = ("calm", "roomy", "contended", "blocked", "waiting")
 TTL = 100.0
 """Longer than a shutdown may take, so stop() (not expiry) must return the leases."""
 
@@ -132,9 +132,10 @@ class FakeHolder:
 
     def answer(self, key: str, message: dict[str, Any], now: float, *,
                urgency: str) -> dict[str, Any]:
-        """`urgency`: "calm", "contended" (unmet demand: the client returns idle leases),
-        "blocked" (a group of the key refused: waited on, leases kept) or "waiting"
-        (contended, and others' older items listed: chains give permits back for them)."""
+        """`urgency`: "calm", "roomy" (calm, and permits said free: idle permits are kept
+        longer), "contended" (unmet demand: the client returns idle leases), "blocked" (a
+        group of the key refused: waited on, leases kept) or "waiting" (contended, and
+        others' older items listed: chains give permits back for them)."""
         grants = [
             {"grant_id": gid, "group": g.group, "permits": g.permits, "claimed": g.claimed,
              "released": g.released, "claim_deadline": g.deadline, "status": g.status}
@@ -157,6 +158,8 @@ class FakeHolder:
                 "grants": grants, "leases": leases,
                 "blocked": ([{"group": "g", "reason": "limit", "queued": 1}]
                             if urgency == "blocked" else [])}
+        if urgency == "roomy":
+            body["free"] = [{"group": None, "permits": 2}, {"group": "g", "permits": 1}]
         if urgency == "waiting":
             body["waiting"] = [
                 {"group": None, "reason": "limit", "queued_at": [now - 400.0, now - 20.0]},
@@ -415,7 +418,7 @@ class HandoffMachine(ClientMachine):
     size bounds demand."""
 
     OPTIONS: ClassVar[Mapping[str, Any]] = {
-        "handoff_window": 30.0, "handoff_linger": 1.0, "lease_idle": 3.0,
+        "handoff_window": 30.0, "handoff_linger": 1.0, "roomy_linger": 2.5, "lease_idle": 3.0,
         "supersede_after": 0.5, "capacity": 3}
 
     @precondition(lambda self: self.running and self.queued)

@@ -27,10 +27,11 @@ pytestmark = pytest.mark.timeout(30)
 
 def granted(clock: FakeClock, *, window: float = 60.0, linger: float = 0.0, permits: int = 1,
             items: tuple[tuple[str | None, str, float], ...] = (),
-            contended: bool = False) -> SemaphoreClient:
+            contended: bool = False, roomy: float = 0.0) -> SemaphoreClient:
     """A client holding `permits` claimed grant permits (group None), then `items` queued;
     `contended`: the last reply said others wait for the key."""
-    client = make_client(clock, handoff_window=window, handoff_linger=linger)
+    client = make_client(clock, handoff_window=window, handoff_linger=linger,
+                         roomy_linger=roomy)
     for i in range(permits):
         client.enqueue(KEY, None, f"run-{i}", enqueued_at=1.0 + i / 10)
     client.message(KEY)
@@ -336,6 +337,34 @@ def test_an_idle_permit_goes_back_at_once_while_others_wait_else_after_the_linge
     assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
     client.enqueue(KEY, None, "late", enqueued_at=clock.now)
     assert client.admit() == []
+
+
+@pytest.mark.parametrize(("free", "contended", "kept"), [
+    (None, False, 0.1),  # an older holder: nothing said
+    ([{"group": None, "permits": 0}], False, 0.1),  # another's request may wait for it
+    ([{"group": "w", "permits": 3}], False, 0.1),  # says nothing of the permit's group
+    ([{"group": None, "permits": 2}], False, 1.0),
+    ([{"group": None, "permits": 2}], True, 0.0),  # others wait all the same
+])
+def test_a_permit_lingers_longer_while_its_key_and_group_had_permits_free(
+        free: list[dict[str, object]] | None, contended: bool, kept: float) -> None:
+    # Beyond the spec: another worker's request is served from the free permits, not
+    # from this one, so it may wait for the key's next item here longer.
+    clock = FakeClock()
+    client = granted(clock, linger=0.1, roomy=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, free=free, contended=contended, grants=[
+        grant("g1", permits=1, claimed=1, claim_deadline=clock.now + 10)]))
+    assert client.pass_on("run-0") is None
+    if kept:
+        assert client.next_due_at() == pytest.approx(clock.now + kept)
+        clock.advance(kept - 0.01)
+        client.enqueue(KEY, None, "next", enqueued_at=clock.now)
+        [permit] = client.admit()
+        assert (permit.item_id, permit.handed_off) == ("next", True)
+    else:
+        assert client.due() == [KEY]
+        assert grant_reports(client.message(KEY)) == {"g1": (1, 1)}
 
 
 def test_a_burst_after_the_permit_went_back_asks_at_once_on_a_free_key() -> None:

@@ -216,6 +216,24 @@ def test_a_reply_listing_a_group_twice_in_waiting_changes_nothing() -> None:
     assert "waiting: lists a group twice" in (client.last_error(KEY) or "")
 
 
+@pytest.mark.parametrize(("free", "field"), [
+    ([{"group": None, "permits": -1}], "free[0].permits"),
+    ([{"group": None}], "free[0].permits: is required"),
+    ([{"group": 7, "permits": 1}], "free[0].group"),
+    ({"group": None, "permits": 1}, "free: must be a list"),
+    ([{"group": "w", "permits": 1}, {"group": "w", "permits": 2}], "free: lists a group twice"),
+])
+def test_a_reply_with_a_malformed_free_entry_changes_nothing(free: object, field: str) -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, free=free,
+                                  grants=[grant("g1", permits=1, claim_deadline=clock.now + 10)]))
+    assert client.admit() == [], "the grant beside it is not taken either"
+    assert field in (client.last_error(KEY) or "")
+
+
 def test_heartbeat_at_half_the_lease_lifetime_while_permits_are_in_use() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, ttl=100.0)

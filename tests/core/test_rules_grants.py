@@ -142,6 +142,29 @@ def test_items_a_group_ceiling_holds_back_are_listed_as_its_own(make_semaphore: 
     assert waiting(second) == {"w": ("group_limit", [12.0])}
 
 
+def free(response: dict[str, Any]) -> dict[str | None, int]:
+    return {f["group"]: f["permits"] for f in response.get("free", [])}
+
+
+def test_a_reply_says_what_a_new_grant_of_each_group_could_still_get(make_semaphore: Any) -> None:
+    # Beyond the spec: a worker keeps a finished task's permit for its key's next task
+    # longer while others' requests would be served from what is free.
+    sem = make_semaphore(Limits(10, groups={"w": 3, "x": None}))
+    (reply,) = sem.run_round(KEY, [
+        request("a", [("w", 2, 1.0), ("x", 1, 2.0), (None, 4, 3.0)])], now=T0)
+    assert free(reply) == {None: 3, "w": 1, "x": 3}
+    first, second = sem.run_round(KEY, [
+        sync("a", grants=[(g["grant_id"], 0, 0) for g in reply["grants"]]),
+        request("b", [(None, 5, 4.0)])], now=T0 + 2.0)
+    assert free(first)[None] == free(second)[None] == 0 and set(free(first).values()) == {0}
+
+
+def test_a_round_whose_limit_failed_says_nothing_of_free_permits(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(lambda key: 1 // 0))
+    (reply,) = sem.run_round(KEY, [request("a", [(None, 1, 1.0)])], now=T0)
+    assert granted(reply) == 0 and "free" not in reply
+
+
 def test_uncontended_round_grants_everything(make_semaphore: Any) -> None:
     sem = make_semaphore(Limits(10))
     (reply,) = sem.run_round(KEY, [request("a", [("w", 3, 1.0), (None, 2, 2.0)])], now=T0)
