@@ -26,6 +26,10 @@ from .config import RoundConfig
 from .keystate import KeyState
 from .ledger import Ledger
 
+SHARED_FREE = 8
+"""Up to this many groups in a round's `free`, every reply lists them all; beyond, each
+reply lists the groups its client asks for or holds."""
+
 
 class ClientIndex:
     """The round's outcome grouped by client once, so answering n clients costs O(n)."""
@@ -53,7 +57,20 @@ class ClientIndex:
             *(owners for *_, owners in self.waiting.values()))
         self._shared = [waiting_entry(group, reason, shown)
                         for group, (reason, _, shown, _) in self.waiting.items()]
+        self.free_by_group = allocation.free
         self.free = [free_entry(group, permits) for group, permits in allocation.free.items()]
+
+    def free_for(self, request: Request, grants: list[dict[str, Any]],
+                 leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What is free per group, for the groups this client asks for or holds (and no
+        group): a round of many groups must not put every group in every reply."""
+        if len(self.free) <= SHARED_FREE:
+            return self.free
+        mine = ({None} | {entry.group for entry in request.demand}
+                | {g["group"] for g in grants} | {le["group"] for le in leases})
+        free = self.free_by_group
+        return [free_entry(group, free[group])
+                for group in sorted(mine, key=lambda g: (g is not None, g or "")) if group in free]
 
     def waiting_for(self, client_id: str) -> list[dict[str, Any]]:
         """The oldest items of other clients left waiting, per group (see Waiting)."""
@@ -145,14 +162,15 @@ def respond(
     # Demand left unmet may ask again at once: the holder holds it until capacity comes
     # back or the next period, so it is there when a permit is returned.
     waits = bool(index.blocked.get(request.client_id))
+    grants, leases = _grants(request, index), _leases(request, index)
     return reply_body(
         semaphore=state.semaphore, key=state.key,
         round_at=now, next_request_at=now if waits else now + config.round_period,
         contended=allocation.contended,
         over_limit=over_limit,
-        grants=_grants(request, index),
-        leases=_leases(request, index),
+        grants=grants,
+        leases=leases,
         blocked=list(index.blocked.get(request.client_id, [])),
         waiting=index.waiting_for(request.client_id) if index.waiting else None,
-        free=index.free,
+        free=index.free_for(request, grants, leases),
     )

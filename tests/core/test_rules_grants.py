@@ -159,6 +159,16 @@ def test_a_reply_says_what_a_new_grant_of_each_group_could_still_get(make_semaph
     assert free(first)[None] == free(second)[None] == 0 and set(free(first).values()) == {0}
 
 
+def test_a_round_of_many_groups_tells_each_client_of_its_own_groups(make_semaphore: Any) -> None:
+    sem = make_semaphore(Limits(100, groups={f"g{n}": 2 for n in range(10)}))
+    first, second = sem.run_round(KEY, [
+        request("a", [(f"g{n}", 1, 1.0) for n in range(5)]),
+        request("b", [(f"g{n}", 1, 2.0) for n in range(5, 10)] + [(None, 1, 2.0)]),
+    ], now=T0)
+    assert free(first) == {None: 89, **{f"g{n}": 1 for n in range(5)}}
+    assert free(second) == {None: 89, **{f"g{n}": 1 for n in range(5, 10)}}
+
+
 def test_a_round_whose_limit_failed_says_nothing_of_free_permits(make_semaphore: Any) -> None:
     sem = make_semaphore(Limits(lambda key: 1 // 0))
     (reply,) = sem.run_round(KEY, [request("a", [(None, 1, 1.0)])], now=T0)
