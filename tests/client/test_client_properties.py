@@ -159,7 +159,8 @@ class FakeHolder:
                 "blocked": ([{"group": "g", "reason": "limit", "queued": 1}]
                             if urgency == "blocked" else [])}
         if urgency == "roomy":
-            body["free"] = [{"group": None, "permits": 2}, {"group": "g", "permits": 1}]
+            # Room for no group, none in "g": both lingers in one reply.
+            body["free"] = [{"group": None, "permits": 2}, {"group": "g", "permits": 0}]
         if urgency == "waiting":
             body["waiting"] = [
                 {"group": None, "reason": "limit", "queued_at": [now - 400.0, now - 20.0]},
