@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from itertools import pairwise
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -318,21 +318,27 @@ def _waiting(raw: Mapping[str, Any], where: str) -> Waiting:
     )
 
 
+_Entry = TypeVar("_Entry", Waiting, Free)
+
+
+def _once_per_group(entries: tuple[_Entry, ...], name: str) -> tuple[_Entry, ...]:
+    """`entries`, which say one thing per group: a group listed twice is malformed."""
+    if len({entry.group for entry in entries}) < len(entries):
+        raise InvalidMessage(name, "lists a group twice")
+    return entries
+
+
 def _waiting_list(raw: Mapping[str, Any]) -> tuple[Waiting, ...]:
-    waiting = tuple(_waiting(w, f"waiting[{i}].") for i, w in enumerate(_list(raw, "waiting")))
-    if len({w.group for w in waiting}) < len(waiting):
-        raise InvalidMessage("waiting", "lists a group twice")
-    return waiting
+    return _once_per_group(
+        tuple(_waiting(w, f"waiting[{i}].") for i, w in enumerate(_list(raw, "waiting"))),
+        "waiting")
 
 
 def _free_list(raw: Mapping[str, Any]) -> tuple[Free, ...]:
-    free = tuple(
+    return _once_per_group(tuple(
         Free(group=optional_ident(f.get("group"), f"free[{i}].group"),
              permits=_count(required(f, "permits", f"free[{i}]."), f"free[{i}].permits"))
-        for i, f in enumerate(_list(raw, "free")))
-    if len({f.group for f in free}) < len(free):
-        raise InvalidMessage("free", "lists a group twice")
-    return free
+        for i, f in enumerate(_list(raw, "free"))), "free")
 
 
 def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
