@@ -15,8 +15,10 @@
 #                                     [--pool threads] [--passes 8]
 #
 # Needs the services of `python -m benchmarks` (Redis, PostgreSQL). Prints each pass
-# and the mean ratio, and writes them to benchmarks/results/side_by_side.txt (the
-# latest run; earlier ones are in git).
+# and the mean ratio, with each worker's CPU per task over its drain (a lower rate at
+# the same CPU per task is a worker left waiting, not one doing more work), and
+# writes them to benchmarks/results/side_by_side.txt (the latest run; earlier ones
+# are in git).
 from __future__ import annotations
 
 import argparse
@@ -30,7 +32,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.cluster import LOG_DIR, ROOT, Cluster, create_database, running, suite_config
+from benchmarks.cluster import (
+    LOG_DIR,
+    ROOT,
+    Cluster,
+    create_database,
+    running,
+    session_cpu,
+    suite_config,
+)
 from benchmarks.measure import FREE_LIMIT, _publish
 from benchmarks.plan import SEMAPHORES
 from durability_celery import DurabilitySemaphore
@@ -118,6 +128,9 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
             _fill(cluster, variant, queues[n], runs[n], accounts[n], tasks, producer)
     order = (first, 1 - first)
     control = cluster.app.control
+    # Each worker's CPU over its drain: whether a lower rate is CPU per task or a
+    # worker left waiting (a pool slot idle between one task and the next).
+    cpu = [session_cpu(session) for session in cluster.client_sessions]
     for n in order:
         control.add_consumer(queues[n], destination=[cluster.client_hostnames[n]],
                              reply=True, timeout=5)
@@ -127,13 +140,16 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
                                 reply=True, timeout=5)
     if not drained:
         raise RuntimeError(f"measured tasks not done in {CAP:.0f} s (logs in {LOG_DIR})")
+    cpu = [session_cpu(session) - before
+           for session, before in zip(cluster.client_sessions, cpu, strict=True)]
     rows = [cluster.intervals(side) for side in runs]
     per_s, window = rates(rows)
     # When each worker started, after the earlier one: a late start is a first round
     # (or a stall) that the window leaves out; printed so an outlying pass can be read.
     firsts = [min(row[0] for row in side) for side in rows]
     return {"variants": variants, "per_s": per_s, "window": window,
-            "late": [first - min(firsts) for first in firsts]}
+            "late": [first - min(firsts) for first in firsts],
+            "cpu_ms": [1000 * seconds / tasks for seconds in cpu]}
 
 
 def summary(variant: str, passes: Sequence[dict[str, Any]]) -> str:
@@ -142,7 +158,16 @@ def summary(variant: str, passes: Sequence[dict[str, Any]]) -> str:
     spread = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     return (f"{variant} / plain, side by side: mean {statistics.mean(ratios):.3f} "
             f"± {spread:.3f} (standard error), median {statistics.median(ratios):.3f}, "
-            f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} passes")
+            f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} passes; "
+            f"worker CPU per task {_cpu(variant, passes):.3f} ms against plain's "
+            f"{_cpu('plain', passes):.3f}")
+
+
+def _cpu(variant: str, passes: Sequence[dict[str, Any]]) -> float:
+    """The median CPU milliseconds per task of the workers that ran `variant`."""
+    return statistics.median(float(ms) for p in passes
+                             for v, ms in zip(p["variants"], p["cpu_ms"], strict=True)
+                             if v == variant)
 
 
 def _header() -> str:
@@ -172,8 +197,9 @@ def main() -> None:
                                   keys=options.keys, first=(n // 2) % 2)
                 passes.append(result)
                 lines.append(f"  pass {n + 1}: " + ", ".join(
-                    f"worker {w} {v} {r:7.1f}/s" for w, (v, r)
-                    in enumerate(zip(result["variants"], result["per_s"], strict=True)))
+                    f"worker {w} {v} {r:7.1f}/s {ms:.2f} ms CPU/task" for w, (v, r, ms)
+                    in enumerate(zip(result["variants"], result["per_s"], result["cpu_ms"],
+                                     strict=True)))
                     + f" over {result['window']:.1f} s (first starts +"
                     + "/+".join(f"{late:.2f}" for late in result["late"]) + " s)")
                 print(lines[-1], flush=True)

@@ -28,9 +28,11 @@ def test_rates_refuse_workers_that_never_ran_together() -> None:
 
 
 def test_summary_divides_by_plain_whichever_worker_ran_it() -> None:
-    passes = [{"variants": ("plain", "leases"), "per_s": [100.0, 90.0]},
-              {"variants": ("leases", "plain"), "per_s": [110.0, 100.0]}]
+    passes = [{"variants": ("plain", "leases"), "per_s": [100.0, 90.0], "cpu_ms": [1.0, 1.2]},
+              {"variants": ("leases", "plain"), "per_s": [110.0, 100.0], "cpu_ms": [1.4, 1.1]}]
     text = summary("leases", passes)
     assert "mean 1.000" in text and "range 0.900-1.100" in text
-    same = [{"variants": ("plain", "plain"), "per_s": [100.0, 95.0]}]
+    # Each variant's CPU per task is the median over the workers that ran it.
+    assert "CPU per task 1.300 ms against plain's 1.050" in text
+    same = [{"variants": ("plain", "plain"), "per_s": [100.0, 95.0], "cpu_ms": [1.0, 1.0]}]
     assert "mean 0.950" in summary("plain", same)  # the second worker over the first
