@@ -57,18 +57,20 @@ class ClientIndex:
             *(owners for *_, owners in self.waiting.values()))
         self._shared = [waiting_entry(group, reason, shown)
                         for group, (reason, _, shown, _) in self.waiting.items()]
-        self.free_by_group = allocation.free
-        self.free = [free_entry(group, permits) for group, permits in allocation.free.items()]
+        self._free = allocation.free
+        # One list for every reply, unless each reply lists its own groups (free_for).
+        self._shared_free = ([free_entry(group, permits) for group, permits in self._free.items()]
+                             if len(self._free) <= SHARED_FREE else [])
 
     def free_for(self, request: Request, grants: list[dict[str, Any]],
                  leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """What is free per group, for the groups this client asks for or holds (and no
         group): a round of many groups must not put every group in every reply."""
-        if len(self.free) <= SHARED_FREE:
-            return self.free
+        free = self._free
+        if len(free) <= SHARED_FREE:
+            return self._shared_free
         mine = ({None} | {entry.group for entry in request.demand}
                 | {g["group"] for g in grants} | {le["group"] for le in leases})
-        free = self.free_by_group
         return [free_entry(group, free[group])
                 for group in sorted(mine, key=lambda g: (g is not None, g or "")) if group in free]
 
