@@ -93,11 +93,13 @@ def test_limits_hold_across_workers(cluster_factory: Callable[..., Cluster], cas
         assert cluster.max_running("k1") >= 2
     delays = {k: float(v) for k, v in cluster.ledger.hgetall("plain_delay").items()}
     assert set(delays) == set(plain)
-    # Without QoS raised per held message they would start only after the admitted
-    # tasks queued before them had all started; they start long before the last.
+    # Without QoS raised per held message they would reach a worker only as the held
+    # ones queued before them start, so the last of them would start after the last
+    # admitted task; the g1 chain keeps admitted tasks starting long after they are
+    # published. A margin here would only measure how busy the machine is.
     plain_started = max(float(v) for v in cluster.ledger.hgetall("plain_started_at").values())
     last_admitted = max(float(v) for v in cluster.ledger.hgetall("started_at").values())
-    assert plain_started < last_admitted - 0.3, f"plain tasks waited behind held ones: {delays}"
+    assert plain_started < last_admitted, f"plain tasks waited behind held ones: {delays}"
     assert max(delays.values()) < 5, delays
     for key in limits:
         cluster.wait_for(f"holder usage of {key} back to zero",
