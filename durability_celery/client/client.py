@@ -274,7 +274,8 @@ class SemaphoreClient:
         self._talk.changed(key)
         request = Request(type="request" if demand else "sync", client_id=self.client_id,
                           demand=demand, grants=grants, leases=leases,
-                          supports_leases=self.supports_leases)
+                          supports_leases=self.supports_leases,
+                          seen_round=ledger.schedule.seen_round)
         ledger.mark_sent(now, asked=sum(e.count for e in demand))
         if correlation_id is not None:
             self._replies.sent(key, correlation_id,

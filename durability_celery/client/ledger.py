@@ -107,6 +107,8 @@ class KeyLedger:
         in_flight, sent_at = schedule.answered(superseded=superseded)
         anchor = min(reply.round_at, sent_at if sent_at is not None else now)
         latest = reply.round_at >= schedule.last_round_at
+        if reply.round is not None:
+            schedule.seen_round = max(schedule.seen_round or 0, reply.round)
         if latest:
             schedule.last_round_at = reply.round_at
             self.contended = reply.contended

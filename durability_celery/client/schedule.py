@@ -36,6 +36,8 @@ class KeySchedule:
 
     next_request_at: float = 0.0
     last_round_at: float = -math.inf
+    seen_round: int | None = None
+    """The highest round number of the replies applied (sent as Request.seen_round)."""
     in_flight: InFlight | None = None
     superseded: InFlight | None = None
     """The oldest message still in flight when `in_flight` was sent (see SemaphoreClient)."""

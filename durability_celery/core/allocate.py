@@ -308,7 +308,8 @@ def _lease(
         assert limits.limit is not None
         result.leases.append(
             Lease(new_id(), d.client_id, group, size, 0, 0, now, now,
-                  issued_limit=limits.limit, issued_group_limit=ceiling, acknowledged=False)
+                  issued_limit=limits.limit, issued_group_limit=ceiling, acknowledged=False,
+                  issued_round=ledger.round_no)
         )
         budget -= size
         room.lease_footprint += size

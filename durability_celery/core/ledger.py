@@ -18,10 +18,14 @@ class Ledger:
     leases: dict[str, Lease]
     settled: dict[str, Lease] = field(default_factory=dict)
     """Leases settled (removed) during this round, kept to answer their reports."""
+    round_no: int = 0
+    """The key's round this working copy is for: leases it issues or adopts carry it."""
 
     @classmethod
-    def of(cls, grants: tuple[Grant, ...], leases: tuple[Lease, ...]) -> Ledger:
-        return cls({g.grant_id: g for g in grants}, {le.lease_id: le for le in leases})
+    def of(cls, grants: tuple[Grant, ...], leases: tuple[Lease, ...], *,
+           round_no: int = 0) -> Ledger:
+        return cls({g.grant_id: g for g in grants}, {le.lease_id: le for le in leases},
+                   round_no=round_no)
 
     def check_ownership(self, request: Request) -> None:
         """Reject a message that reports another client's grant or lease."""
@@ -47,7 +51,7 @@ class Ledger:
             if lease is not None:
                 self.leases[lease.lease_id] = lease.report(
                     lease_report.drawn, lease_report.released,
-                    stopped=lease_report.stopped, now=now,
+                    stopped=lease_report.stopped, now=now, seen_round=request.seen_round,
                 )
             elif lease_report.lease_id not in self.settled:
                 self._adopt_unknown(request.client_id, lease_report, now)
@@ -57,16 +61,17 @@ class Ledger:
         or a client's record of claims that reached us too late to count) is charged
         from now on, as a retired lease whose final draws the client confirmed, until
         everything drawn is released. It is charged to the group its report names, so
-        it counts against that group's ceiling as well as the key's limit. Only a
-        report in a later round acknowledges it: a stale copy of an old report,
-        arriving after the lease settled, would make one its client no longer knows,
-        and that one is dropped like any other."""
+        it counts against that group's ceiling as well as the key's limit. A stale copy
+        of an old report, arriving after the lease settled, makes one its client no
+        longer knows: only a report sent after this round acknowledges it (Lease.report),
+        which stale copies of older messages never are, so that one is dropped like any
+        other unacknowledged lease."""
         if report.drawn > report.released:
             self.leases[report.lease_id] = Lease(
                 report.lease_id, client_id, report.group, report.drawn, report.drawn,
                 report.released,
                 issued_at=now, last_report_at=now, status="retired", confirmed=True,
-                acknowledged=False,
+                acknowledged=False, issued_round=self.round_no,
             )
 
     def reclaim(self, now: float) -> None:

@@ -175,4 +175,5 @@ def respond(
         blocked=list(index.blocked.get(request.client_id, [])),
         waiting=index.waiting_for(request.client_id) if index.waiting else None,
         free=index.free_for(request, grants, leases),
+        round_no=state.rounds,
     )

@@ -206,7 +206,7 @@ def run_round(
 ) -> RoundResult:
     """Run one round over a batch of messages for `state.key`: raw wire messages, or
     the same parsed beforehand (parse_messages)."""
-    ledger = Ledger.of(state.grants, state.leases)
+    ledger = Ledger.of(state.grants, state.leases, round_no=state.rounds + 1)
     checked = _validate(messages, state, ledger)
     for request in checked:
         if isinstance(request, Request):
@@ -225,7 +225,7 @@ def run_round(
         ledger.leases[lease.lease_id] = lease
     heard = {r.client_id for r in checked if isinstance(r, Request)}
     new_state = _with(
-        state, ledger, config, heard, now, last_round_at=now, rounds=state.rounds + 1,
+        state, ledger, config, heard, now, last_round_at=now, rounds=ledger.round_no,
         limit=resolved.limit,
         blocked=_blocked(allocation),
     )

@@ -102,12 +102,15 @@ class Lease(msgspec.Struct, frozen=True):
     issued_group_limit: int | None = None
     """The group's limit when issued (None: the group had none); lowering it retires the lease."""
     acknowledged: bool = True
-    """Its client reported it in a round after the one that issued (or adopted) it.
-    Until then nothing says the client knows of it: the reply that carried it may be
-    lost, or answer a stale copy of a message whose reply the client no longer
-    awaits. An unacknowledged lease is dropped at its deadline (`acknowledge_by`,
-    Ledger.drop_unacknowledged), as unclaimed grant permits are reclaimed. Rounds
-    issue and adopt leases unacknowledged; the default is for leases made elsewhere."""
+    """Its client reported it in a message sent after it had seen the round that issued
+    (or adopted) it (see `report`). Until then nothing says the client knows of it: the
+    reply that carried it may be lost, or answer a stale copy of a message whose reply
+    the client no longer awaits. An unacknowledged lease is dropped at its deadline
+    (`acknowledge_by`, Ledger.drop_unacknowledged), as unclaimed grant permits are
+    reclaimed. Rounds issue and adopt leases unacknowledged; the default is for leases
+    made elsewhere."""
+    issued_round: int = 0
+    """The key's round (KeyState.rounds) that issued or adopted it."""
 
     def acknowledge_by(self, timeout: float) -> float | None:
         """When it is dropped if still unacknowledged; None once acknowledged."""
@@ -135,12 +138,18 @@ class Lease(msgspec.Struct, frozen=True):
         except KeyError:
             raise IllegalTransition("lease", self.lease_id, self.status, event) from None
 
-    def report(self, drawn: int, released: int, *, stopped: bool, now: float) -> Lease:
+    def report(self, drawn: int, released: int, *, stopped: bool, now: float,
+               seen_round: int | None = None) -> Lease:
         """Apply cumulative marks (released <= drawn <= permits); a report is a heartbeat.
 
         A retired lease stops drawing at once, so its `drawn` can no longer move
         past what the client confirmed; before confirmation it may still rise to
         what the client drew before it heard of the retirement.
+
+        `seen_round`: the latest round of the key whose reply the client had applied
+        when it sent the report (None: a client that does not say). Only a report sent
+        after the round that issued or adopted the lease acknowledges it: a stale copy
+        of an older message can name an id its client has since forgotten.
         """
         status = self._move("stop" if stopped else "report")
         ceiling = self.drawn if self.confirmed else self.permits
@@ -153,7 +162,8 @@ class Lease(msgspec.Struct, frozen=True):
             status=status,
             confirmed=self.confirmed or stopped,
             last_report_at=max(self.last_report_at, now),
-            acknowledged=True,
+            acknowledged=(self.acknowledged or seen_round is None
+                          or seen_round >= self.issued_round),
         )
 
     def retire(self) -> Lease:

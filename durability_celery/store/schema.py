@@ -29,7 +29,7 @@ from sqlalchemy.engine import Connection
 from ..errors import ConfigurationError
 from ..wire.fields import MAX_ID_LENGTH
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The version `migrate(engine)` brings a database to."""
 
 MigrateOutcome = Literal["created", "upgraded", "current", "removed", "absent"]
@@ -78,6 +78,7 @@ leases = Table(
     Column("issued_limit", Integer, nullable=False),
     Column("issued_group_limit", Integer, nullable=True),
     Column("acknowledged", Boolean, nullable=False, server_default=true()),
+    Column("issued_round", BigInteger, nullable=False, server_default=text("0")),
     Index("ix_durability_semaphore_leases_client", "client_id"),
 )
 
@@ -133,6 +134,10 @@ UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("DROP INDEX ix_durability_semaphore_keys_deadline",
         "CREATE INDEX ix_durability_semaphore_keys_deadline ON durability_semaphore_keys"
         " (semaphore, next_claim_deadline) WHERE next_claim_deadline IS NOT NULL"),
+    # 4: leases record the round that issued them, which only a later report
+    # acknowledges; 0 lets any report acknowledge those of version 3, as it did.
+    3: ("ALTER TABLE durability_semaphore_leases"
+        " ADD COLUMN issued_round BIGINT NOT NULL DEFAULT 0",),
 }
 
 

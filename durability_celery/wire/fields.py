@@ -15,6 +15,8 @@ MAX_KEY_LENGTH = MAX_ID_LENGTH
 """Longest key: the width of the store's key column, so a longer one could never be saved."""
 MAX_COUNT = 1_000_000_000
 """Upper bound for any count on the wire or in settings; larger is absurd."""
+MAX_ROUND = 2**63 - 1
+"""Largest round number of a key (the store keeps it as a signed 64-bit integer)."""
 MAX_ENTRIES = 10_000
 """Most demand entries, grant reports or lease reports one message may carry."""
 

@@ -17,6 +17,7 @@ from .error import ErrorReply, parse_error
 from .fields import (
     MAX_COUNT,
     MAX_ENTRIES,
+    MAX_ROUND,
     VERSION,
     ident,
     int_or_zero,
@@ -123,6 +124,9 @@ class Reply(msgspec.Struct, frozen=True):
     """Others' oldest items waiting on this key (absent from older holders)."""
     free: tuple[Free, ...] = ()
     """Per group the round resolved (absent from older holders)."""
+    round: int | None = None
+    """The key's round number (absent from older holders): the client sends back the
+    latest it applied (Request.seen_round)."""
 
 
 class GrantFields(Protocol):
@@ -212,7 +216,8 @@ def reply_body(*, semaphore: str, key: str, round_at: float, next_request_at: fl
                contended: bool, over_limit: bool, grants: list[dict[str, Any]],
                leases: list[dict[str, Any]], blocked: list[dict[str, Any]],
                waiting: list[dict[str, Any]] | None = None,
-               free: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               free: list[dict[str, Any]] | None = None,
+               round_no: int | None = None) -> dict[str, Any]:
     """The JSON-ready reply to one client's request for (semaphore, key)."""
     body = {
         "v": VERSION, "semaphore": semaphore, "key": key,
@@ -227,6 +232,8 @@ def reply_body(*, semaphore: str, key: str, round_at: float, next_request_at: fl
         body["waiting"] = waiting
     if free:
         body["free"] = free
+    if round_no is not None:
+        body["round"] = round_no
     return body
 
 
@@ -249,6 +256,14 @@ def _optional_time(value: Any, field: str) -> float | None:
 def _status(value: Any, field: str, allowed: tuple[str, ...]) -> Any:
     if value not in allowed:
         raise InvalidMessage(field, f"must be one of {allowed}, got {value!r}")
+    return value
+
+
+def _round(value: Any) -> int | None:
+    if value is None:
+        return None  # older holders
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ROUND:
+        raise InvalidMessage("round", f"must be an integer between 0 and {MAX_ROUND}")
     return value
 
 
@@ -368,6 +383,7 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
         blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),
         waiting=_waiting_list(raw),
         free=_free_list(raw),
+        round=_round(raw.get("round")),
     )
 
 

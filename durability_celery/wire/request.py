@@ -20,6 +20,7 @@ from .fields import (
     MAX_ENTRIES,
     MAX_ID_LENGTH,
     MAX_KEY_LENGTH,
+    MAX_ROUND,
     VERSION,
     ident,
     int_or_zero,
@@ -42,6 +43,7 @@ stays about as large as MAX_ENTRIES entries allow."""
 _Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
 _Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 _Time = Annotated[float, Meta(ge=0, le=sys.float_info.max)]
+_Round = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 
 
 class DemandEntry(msgspec.Struct, frozen=True):
@@ -104,6 +106,10 @@ class Request(msgspec.Struct, frozen=True):
     grants: Annotated[tuple[GrantReport, ...], Meta(max_length=MAX_ENTRIES)] = ()
     leases: Annotated[tuple[LeaseReport, ...], Meta(max_length=MAX_ENTRIES)] = ()
     supports_leases: bool = False
+    seen_round: _Round | None = None
+    """The latest round of this key whose reply the client had applied when it sent
+    this (its `round`); None: it had applied none, or it is an older client. A stale
+    copy of a message carries what its client had seen then (see Lease.report)."""
 
     def to_wire(self, *, semaphore: str, key: str) -> dict[str, Any]:
         """The JSON-ready form, as a client sends it."""
@@ -122,6 +128,8 @@ class Request(msgspec.Struct, frozen=True):
         }
         if self.type == "request":
             message["demand"] = [_demand_wire(d) for d in self.demand]
+        if self.seen_round is not None:
+            message["seen_round"] = self.seen_round
         return message
 
 
@@ -339,6 +347,10 @@ def _parse_field_by_field(raw: object, semaphore: str, key: str) -> Request:
     supports_leases = raw.get("supports_leases", False)
     if not isinstance(supports_leases, bool):
         raise InvalidMessage("supports_leases", "must be a boolean")
+    seen_round = raw.get("seen_round")
+    if seen_round is not None and (isinstance(seen_round, bool) or not isinstance(seen_round, int)
+                                   or not 0 <= seen_round <= MAX_ROUND):
+        raise InvalidMessage("seen_round", f"must be an integer between 0 and {MAX_ROUND}")
     return Request(
         type=kind,
         client_id=client_id,
@@ -346,6 +358,7 @@ def _parse_field_by_field(raw: object, semaphore: str, key: str) -> Request:
         grants=_grant_reports(raw),
         leases=_lease_reports(raw),
         supports_leases=supports_leases,
+        seen_round=seen_round,
     )
 
 

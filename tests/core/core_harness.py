@@ -21,6 +21,7 @@ def request(
     supports_leases: bool = False,
     key: str = KEY,
     kind: str = "request",
+    seen_round: int | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {
         "type": kind, "v": 1, "semaphore": SEM, "key": key, "client_id": client,
@@ -32,6 +33,8 @@ def request(
     }
     if kind == "request":
         message["demand"] = [{"group": g, "count": n, "oldest_at": t} for g, n, t in demand]
+    if seen_round is not None:
+        message["seen_round"] = seen_round
     return message
 
 

@@ -43,11 +43,14 @@ class Held:
 class Client:
     grants: dict[str, Held] = field(default_factory=dict)
     leases: dict[str, Held] = field(default_factory=dict)
+    seen_round: int | None = None
+    """The highest round of the replies it applied, sent with each message."""
 
     def report(self) -> dict[str, Any]:
         return {
             "grants": [(gid, h.used, h.released) for gid, h in self.grants.items()],
             "leases": [(lid, h.used, h.released, h.stopped) for lid, h in self.leases.items()],
+            "seen_round": self.seen_round,
         }
 
     def running(self) -> int:
@@ -87,6 +90,7 @@ class SemaphoreModel(RuleBasedStateMachine):
             self.apply(self.clients[client], reply)
 
     def apply(self, client: Client, reply: dict[str, Any]) -> None:
+        client.seen_round = max(client.seen_round or 0, reply["round"])
         for g in reply["grants"]:
             held = client.grants.setdefault(g["grant_id"], Held(g["permits"]))
             held.permits, held.status = g["permits"], g["status"]
@@ -251,6 +255,14 @@ class SemaphoreModel(RuleBasedStateMachine):
             truth = self.clients[le.client_id].leases.get(le.lease_id)
             if truth is not None:
                 assert le.drawn <= truth.used and le.released <= truth.released
+
+    @invariant()
+    def only_leases_their_client_knows_are_acknowledged(self) -> None:
+        # A stale copy can bring back a lease its client forgot; acknowledged, it would
+        # stay charged while the client lives, since the client never names it again.
+        for le in self.sem.state(KEY).leases:
+            if le.acknowledged:
+                assert le.lease_id in self.clients[le.client_id].leases, le
 
     @invariant()
     def the_holder_counts_at_least_what_runs(self) -> None:

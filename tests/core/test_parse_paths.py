@@ -46,7 +46,7 @@ def requests(draw: st.DrawFn) -> Request:
     leases = [LeaseReport(lid, *draw(marks), draw(st.booleans()), draw(st.none() | IDS))
               for lid in draw(st.lists(IDS, unique=True, max_size=3))]
     return Request(kind, draw(IDS), tuple(demand), tuple(grants), tuple(leases),
-                   draw(st.booleans()))
+                   draw(st.booleans()), draw(st.none() | st.integers(0, 2**63 - 1)))
 
 
 def _slots(value: Any) -> list[tuple[Any, Any]]:

@@ -261,6 +261,36 @@ def test_draws_reported_after_an_unacknowledged_lease_was_dropped_are_charged(
     assert sem.usage(KEY, now=T0 + 23).lease_footprint == 0
 
 
+def test_only_a_report_sent_after_a_lease_was_adopted_acknowledges_it(
+    make_semaphore: Any,
+) -> None:
+    # Two stale copies of one old report, in two later rounds: the first adopts the
+    # settled lease again, and the second, sent before that round like the first,
+    # must not acknowledge it, or it stays charged as long as its client lives.
+    sem = make_semaphore(Limits(10), leases=Leases(Strict(), permits_per_lease=4))
+    (reply,) = sem.run_round(KEY, [ask("a", 4)], now=T0)
+    (lid,) = lease_ids(reply)
+    stale = sync("a", leases=[(lid, 1, 0, False)], seen_round=reply["round"])
+    (done,) = sem.run_round(KEY, [sync("a", leases=[(lid, 1, 1, True)],
+                                       seen_round=reply["round"])], now=T0 + 1)
+    assert [le["status"] for le in done["leases"]] == ["settled"]
+    (adopted,) = sem.run_round(KEY, [stale], now=T0 + 2)
+    assert adopted["round"] == done["round"] + 1
+    assert [(le["status"], le["acknowledged"]) for le in adopted["leases"]] == [
+        ("retired", False)]
+    (again,) = sem.run_round(KEY, [stale], now=T0 + 3)
+    assert [le["acknowledged"] for le in again["leases"]] == [False]
+    assert sem.reclaim(KEY, now=T0 + 12) is None
+    assert sem.usage(KEY, now=T0 + 12).lease_footprint == 0
+    # A client that had seen the adopting round acknowledges it: it reports the lease
+    # because it knows it, as after the holder dropped it unacknowledged while it drew.
+    (readopted,) = sem.run_round(KEY, [stale], now=T0 + 13)
+    fresh = sync("a", leases=[(lid, 1, 0, False)], seen_round=readopted["round"])
+    (acked,) = sem.run_round(KEY, [fresh], now=T0 + 14)
+    assert [le["acknowledged"] for le in acked["leases"]] == [True]
+    assert sem.usage(KEY, now=T0 + 30).lease_footprint == 1
+
+
 def test_lowering_the_limit_retires_leases(make_semaphore: Any) -> None:
     limits = Limits(10)
     sem = make_semaphore(limits, leases=Leases(Strict()))

@@ -73,8 +73,9 @@ def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: st
         store.migrate(engine, None)
         store.migrate(engine)
         with engine.begin() as conn:
-            conn.execute(sa.text("ALTER TABLE durability_semaphore_leases"
-                                 " DROP COLUMN acknowledged"))
+            for column in ("acknowledged", "issued_round"):
+                conn.execute(sa.text(f"ALTER TABLE durability_semaphore_leases"
+                                     f" DROP COLUMN {column}"))
             conn.execute(sa.update(store.schema.schema_version).values(version=1))
             # A lease hangs off its key's row, as every round of version 1 wrote it.
             conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=1,
@@ -90,6 +91,7 @@ def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: st
             (lease,) = store.load(conn, "s", "k").leases
         assert version == store.SCHEMA_VERSION
         assert (lease.lease_id, lease.drawn, lease.acknowledged) == ("l-1", 1, True)
+        assert lease.issued_round == 0
     finally:
         store.migrate(engine, None)
         engine.dispose()
@@ -107,6 +109,8 @@ def test_version_2_is_upgraded_to_a_partial_deadline_index(database_url: str) ->
             conn.execute(sa.text(f"DROP INDEX {name}"))
             conn.execute(sa.text(f"CREATE INDEX {name} ON durability_semaphore_keys"
                                  " (semaphore, next_claim_deadline)"))
+            conn.execute(sa.text("ALTER TABLE durability_semaphore_leases"
+                                 " DROP COLUMN issued_round"))
             conn.execute(sa.update(store.schema.schema_version).values(version=2))
             conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=1,
                                                       blocked="[]", next_claim_deadline=5.0))
@@ -121,6 +125,35 @@ def test_version_2_is_upgraded_to_a_partial_deadline_index(database_url: str) ->
         assert "next_claim_deadline IS NOT NULL" in str(
             where.get("postgresql_where") or where.get("sqlite_where")), index
         assert found == [("k", 5.0)]
+    finally:
+        store.migrate(engine, None)
+        engine.dispose()
+
+
+def test_version_3_is_upgraded_and_its_unacknowledged_leases_take_any_report(
+        database_url: str) -> None:
+    # Version 3 did not record a lease's round: round 0 lets a report from any client
+    # acknowledge it, as version 3 did, so an upgrade strands none of them.
+    engine = store.create_engine(database_url)
+    try:
+        store.migrate(engine, None)
+        store.migrate(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE durability_semaphore_leases"
+                                 " DROP COLUMN issued_round"))
+            conn.execute(sa.update(store.schema.schema_version).values(version=3))
+            conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=7,
+                                                      blocked="[]", last_round_at=1.0))
+            conn.execute(sa.text(
+                "INSERT INTO durability_semaphore_leases (semaphore, key, lease_id, client_id,"
+                ' "group", permits, drawn, released, issued_at, last_report_at, status,'
+                " confirmed, issued_limit, issued_group_limit, acknowledged) VALUES ('s', 'k',"
+                " 'l-1', 'c', NULL, 4, 1, 0, 1.0, 1.0, 'active', false, 10, NULL, false)"))
+        assert store.migrate(engine) == "upgraded"
+        with engine.begin() as conn:
+            (lease,) = store.load(conn, "s", "k").leases
+        assert (lease.acknowledged, lease.issued_round) == (False, 0)
+        assert lease.report(1, 0, stopped=False, now=2.0, seen_round=0).acknowledged
     finally:
         store.migrate(engine, None)
         engine.dispose()
