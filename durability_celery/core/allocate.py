@@ -296,11 +296,13 @@ def _lease(
     leased: dict[Pair, int] = {}
     if not candidates or budget <= 0:
         return leased
-    share = min(leases.permits_per_lease, budget // len(candidates))
-    for d in candidates:
+    share, remainder = divmod(budget, len(candidates))
+    for i, d in enumerate(candidates):
         group = d.entry.group
         ceiling = limits.group_limit(group)
-        size = share if share > 0 else min(1, budget)
+        # The spec shares equally and leaves what the division leaves over unissued
+        # while demand waits; it goes to the oldest demands first, one permit each.
+        size = min(leases.permits_per_lease, share + (1 if i < remainder else 0))
         group_room = room.for_group(ceiling, group)
         size = min(size, budget) if group_room is None else min(size, budget, group_room)
         if size <= 0:

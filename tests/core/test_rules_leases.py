@@ -30,12 +30,23 @@ def test_strict_grants_first_then_leases_from_what_is_left(make_semaphore: Any) 
     assert usage.outstanding + usage.lease_footprint == 10
 
 
-def test_lease_budget_shared_equally_oldest_first(make_semaphore: Any) -> None:
+def test_lease_budget_shared_equally_with_the_remainder_to_the_oldest(
+        make_semaphore: Any) -> None:
     sem = make_semaphore(Limits(11), leases=Leases(Strict(), permits_per_lease=64))
     replies = sem.run_round(KEY, [ask("a", 1, at=3.0), ask("b", 1, at=1.0), ask("c", 1, at=2.0)],
                             now=T0)
     assert [granted(r) for r in replies] == [1, 1, 1]
-    assert [leased(r) for r in replies] == [2, 2, 2]  # 8 left, 3 candidates: 2 each
+    # 8 left, 3 candidates: 2 each, and the 2 left over to the two oldest (b, then c).
+    assert [leased(r) for r in replies] == [2, 3, 3]
+    assert sem.usage(KEY, now=T0).lease_footprint == 8
+
+
+def test_over_issues_its_whole_extra_to_two_clients(make_semaphore: Any) -> None:
+    # Both ask for more than the limit: grants take it, the extra 5 goes to leases.
+    sem = make_semaphore(Limits(4), leases=Leases(Over(extra=5), permits_per_lease=64))
+    replies = sem.run_round(KEY, [ask("a", 50, at=2.0), ask("b", 50, at=1.0)], now=T0)
+    assert sum(granted(r) for r in replies) == 4
+    assert [leased(r) for r in replies] == [2, 3]
 
 
 def test_a_client_with_no_free_slot_gets_no_lease_while_another_has_one(
