@@ -184,6 +184,34 @@ class SemaphoreModel(RuleBasedStateMachine):
         """A duplicated or reordered message arrives late; its reply is lost."""
         self.deliver(data.draw(st.sampled_from(self.sent)), None, lost_reply=True)
 
+    @rule(data=st.data())
+    def replay_a_report_of_a_forgotten_lease(self, data: st.DataObject) -> None:
+        """The late copy that matters most, rare among all: it names, in use, a lease its
+        client has since forgotten, which the holder adopts again."""
+        stale = [m for m in self.sent
+                 if any(le["drawn"] > le["released"]
+                        and le["lease_id"] not in self.clients[m["client_id"]].leases
+                        for le in m["leases"])]
+        if stale:
+            event("a stale report names a forgotten lease")
+            self.deliver(data.draw(st.sampled_from(stale)), None, lost_reply=True)
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def run_a_task_on_a_lease(self, client: str) -> None:
+        """A lease's whole life in one step, as most of them go: asked for, drawn from
+        with the draw reported, the task done, stopped, reported and settled."""
+        held = self.clients[client]
+        self.deliver(request(client, [(None, 1, self.now)], supports_leases=True,
+                             **held.report()), client, lost_reply=False)
+        lease = next((h for h in held.leases.values()
+                      if h.status == "active" and not h.stopped and h.used < h.permits), None)
+        if lease is None:
+            return
+        lease.used += 1
+        self.deliver(sync(client, **held.report()), client, lost_reply=False)
+        lease.released, lease.stopped = lease.used, True
+        self.deliver(sync(client, **held.report()), client, lost_reply=False)
+
     @rule(client=st.sampled_from(CLIENTS), data=st.data())
     def claim(self, client: str, data: st.DataObject) -> None:
         """Claims stay clear of the deadline and reach the holder before it (the claim margin)."""
