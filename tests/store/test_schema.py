@@ -65,6 +65,27 @@ def test_instance_and_class_forms(database_url: str) -> None:
         sem.close()
 
 
+def _one_lease_at_version(conn: sa.Connection, version: int, *, dropped: tuple[str, ...],
+                          acknowledged: bool | None = None) -> None:
+    """Take a current schema back to `version` (drop the columns it lacked) and write one
+    lease as that version did, on its key's row. `acknowledged` None: no such column."""
+    for column in dropped:
+        conn.execute(sa.text(f"ALTER TABLE durability_semaphore_leases DROP COLUMN {column}"))
+    conn.execute(sa.update(store.schema.schema_version).values(version=version))
+    conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=7,
+                                              blocked="[]", last_round_at=1.0))
+    row = {"semaphore": "s", "key": "k", "lease_id": "l-1", "client_id": "c", "group": None,
+           "permits": 4, "drawn": 1, "released": 0, "issued_at": 1.0, "last_report_at": 1.0,
+           "status": "active", "confirmed": False, "issued_limit": 10,
+           "issued_group_limit": None}
+    if acknowledged is not None:
+        row["acknowledged"] = acknowledged
+    columns = ", ".join(f'"{name}"' for name in row)
+    values = ", ".join(f":{name}" for name in row)
+    conn.execute(sa.text(f"INSERT INTO durability_semaphore_leases ({columns})"
+                         f" VALUES ({values})"), row)
+
+
 def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: str) -> None:
     # Version 1 had no `acknowledged` column and never dropped a lease: its leases
     # come through as acknowledged, so the upgrade drops none of them.
@@ -73,18 +94,7 @@ def test_version_1_is_upgraded_and_its_leases_stay_acknowledged(database_url: st
         store.migrate(engine, None)
         store.migrate(engine)
         with engine.begin() as conn:
-            for column in ("acknowledged", "issued_round"):
-                conn.execute(sa.text(f"ALTER TABLE durability_semaphore_leases"
-                                     f" DROP COLUMN {column}"))
-            conn.execute(sa.update(store.schema.schema_version).values(version=1))
-            # A lease hangs off its key's row, as every round of version 1 wrote it.
-            conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=1,
-                                                      blocked="[]", last_round_at=1.0))
-            conn.execute(sa.text(
-                "INSERT INTO durability_semaphore_leases (semaphore, key, lease_id, client_id,"
-                ' "group", permits, drawn, released, issued_at, last_report_at, status,'
-                " confirmed, issued_limit, issued_group_limit) VALUES ('s', 'k', 'l-1', 'c',"
-                " NULL, 4, 1, 0, 1.0, 1.0, 'active', false, 10, NULL)"))
+            _one_lease_at_version(conn, 1, dropped=("acknowledged", "issued_round"))
         assert store.migrate(engine) == "upgraded"
         with engine.begin() as conn:
             version = conn.execute(sa.select(store.schema.schema_version.c.version)).scalar()
@@ -139,16 +149,7 @@ def test_version_3_is_upgraded_and_its_unacknowledged_leases_take_any_report(
         store.migrate(engine, None)
         store.migrate(engine)
         with engine.begin() as conn:
-            conn.execute(sa.text("ALTER TABLE durability_semaphore_leases"
-                                 " DROP COLUMN issued_round"))
-            conn.execute(sa.update(store.schema.schema_version).values(version=3))
-            conn.execute(sa.insert(store.keys).values(semaphore="s", key="k", rounds=7,
-                                                      blocked="[]", last_round_at=1.0))
-            conn.execute(sa.text(
-                "INSERT INTO durability_semaphore_leases (semaphore, key, lease_id, client_id,"
-                ' "group", permits, drawn, released, issued_at, last_report_at, status,'
-                " confirmed, issued_limit, issued_group_limit, acknowledged) VALUES ('s', 'k',"
-                " 'l-1', 'c', NULL, 4, 1, 0, 1.0, 1.0, 'active', false, 10, NULL, false)"))
+            _one_lease_at_version(conn, 3, dropped=("issued_round",), acknowledged=False)
         assert store.migrate(engine) == "upgraded"
         with engine.begin() as conn:
             (lease,) = store.load(conn, "s", "k").leases
