@@ -69,7 +69,11 @@ class _Room:
             return max(0, free)
         provisioning = leases.provisioning
         if isinstance(provisioning, Over):
-            return max(0, self.limit - self.grants_out)
+            # Grants take the limit and leases the extra above it, but leases can hold
+            # more than the extra (adopted ones are charged whatever the limit), and the
+            # total never passes limit + extra.
+            ceiling = self.limit + provisioning.extra_for(self.limit)
+            return max(0, min(self.limit - self.grants_out, free + ceiling - self.limit))
         if isinstance(provisioning, Under):
             # The reserve never takes the last permit, so groups and clients
             # without leases still make progress.

@@ -111,6 +111,20 @@ def test_over_leases_come_from_above_the_limit(make_semaphore: Any, over: Over) 
     assert usage.outstanding == 10 and usage.lease_footprint == 5
 
 
+def test_over_grants_stop_at_limit_plus_extra_when_leases_hold_more_than_the_extra(
+        make_semaphore: Any) -> None:
+    # A lease a report brings back is charged whatever the limit, so leases can hold
+    # more than the extra; grants then get only what keeps the total at limit + extra.
+    sem = make_semaphore(Limits(6), leases=Leases(Over(extra=3), permits_per_lease=3))
+    (first,) = sem.run_round(KEY, [ask("a", 3)], now=T0)
+    assert (granted(first), leased(first)) == (3, 3)
+    sem.run_round(KEY, [sync("a", leases=[("unknown", 2, 0, False)])], now=T0 + 1)
+    assert sem.usage(KEY, now=T0 + 1).lease_footprint == 5
+    (second,) = sem.run_round(KEY, [ask("b", 5)], now=T0 + 2)
+    assert granted(second) == 1
+    assert sem.usage(KEY, now=T0 + 2).in_use == 9
+
+
 def test_lease_eligibility(make_semaphore: Any) -> None:
     sem = make_semaphore(Limits(50, groups={"capped": 10}), leases=Leases(Strict()))
     no_support, capped, holder = sem.run_round(KEY, [
