@@ -73,7 +73,8 @@ class _Room:
             # more than the extra (adopted ones are charged whatever the limit), and the
             # total never passes limit + extra.
             ceiling = self.limit + provisioning.extra_for(self.limit)
-            return max(0, min(self.limit - self.grants_out, free + ceiling - self.limit))
+            in_use = self.grants_out + self.lease_footprint
+            return max(0, min(self.limit - self.grants_out, ceiling - in_use))
         if isinstance(provisioning, Under):
             # The reserve never takes the last permit, so groups and clients
             # without leases still make progress.

@@ -48,6 +48,15 @@ def optional_ident(value: Any, field: str, name: str = "") -> str | None:
     return None if value is None else ident(value, field, name)
 
 
+def optional_round(value: Any, field: str) -> int | None:
+    """None (absent: an older peer), or a key's round number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ROUND:
+        raise InvalidMessage(field, f"must be an integer between 0 and {MAX_ROUND}")
+    return value
+
+
 # --- lenient readers: what the hints of request.py and reply.py share ---------
 # A field missing or of the wrong kind reads as nothing, never as an error.
 

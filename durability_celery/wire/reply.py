@@ -17,7 +17,6 @@ from .error import ErrorReply, parse_error
 from .fields import (
     MAX_COUNT,
     MAX_ENTRIES,
-    MAX_ROUND,
     VERSION,
     ident,
     int_or_zero,
@@ -25,6 +24,7 @@ from .fields import (
     number_or_none,
     objects_in,
     optional_ident,
+    optional_round,
     required,
 )
 from .request import GrantReport, LeaseReport
@@ -259,14 +259,6 @@ def _status(value: Any, field: str, allowed: tuple[str, ...]) -> Any:
     return value
 
 
-def _round(value: Any) -> int | None:
-    if value is None:
-        return None  # older holders
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ROUND:
-        raise InvalidMessage("round", f"must be an integer between 0 and {MAX_ROUND}")
-    return value
-
-
 def _flag(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidMessage(field, "must be a boolean")
@@ -383,7 +375,7 @@ def parse_reply(raw: object, *, semaphore: str, key: str) -> Reply | ErrorReply:
         blocked=tuple(_blocked(b, f"blocked[{i}].") for i, b in enumerate(_list(raw, "blocked"))),
         waiting=_waiting_list(raw),
         free=_free_list(raw),
-        round=_round(raw.get("round")),
+        round=optional_round(raw.get("round"), "round"),
     )
 
 

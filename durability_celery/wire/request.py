@@ -27,6 +27,7 @@ from .fields import (
     is_object,
     objects_in,
     optional_ident,
+    optional_round,
     required,
 )
 
@@ -347,10 +348,6 @@ def _parse_field_by_field(raw: object, semaphore: str, key: str) -> Request:
     supports_leases = raw.get("supports_leases", False)
     if not isinstance(supports_leases, bool):
         raise InvalidMessage("supports_leases", "must be a boolean")
-    seen_round = raw.get("seen_round")
-    if seen_round is not None and (isinstance(seen_round, bool) or not isinstance(seen_round, int)
-                                   or not 0 <= seen_round <= MAX_ROUND):
-        raise InvalidMessage("seen_round", f"must be an integer between 0 and {MAX_ROUND}")
     return Request(
         type=kind,
         client_id=client_id,
@@ -358,7 +355,7 @@ def _parse_field_by_field(raw: object, semaphore: str, key: str) -> Request:
         grants=_grant_reports(raw),
         leases=_lease_reports(raw),
         supports_leases=supports_leases,
-        seen_round=seen_round,
+        seen_round=optional_round(raw.get("seen_round"), "seen_round"),
     )
 
 

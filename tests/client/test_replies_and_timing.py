@@ -234,6 +234,31 @@ def test_a_reply_with_a_malformed_free_entry_changes_nothing(free: object, field
     assert field in (client.last_error(KEY) or "")
 
 
+def test_each_message_carries_the_highest_round_its_replies_named() -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    assert "seen_round" not in client.message(KEY)  # no reply applied yet
+    client.on_response(KEY, reply(clock.now) | {"round": 7})
+    clock.advance(5.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now - 4.0) | {"round": 5})  # a late, older reply
+    clock.advance(5.0)
+    assert client.message(KEY)["seen_round"] == 7
+
+
+@pytest.mark.parametrize("round_no", [-1, True, 2**63, "7"])
+def test_a_reply_with_a_malformed_round_changes_nothing(round_no: object) -> None:
+    clock = FakeClock()
+    client = make_client(clock)
+    client.enqueue(KEY, None, "t1", enqueued_at=1.0)
+    client.message(KEY)
+    client.on_response(KEY, reply(clock.now, grants=[
+        grant("g1", permits=1, claim_deadline=clock.now + 10)]) | {"round": round_no})
+    assert client.admit() == [], "the grant beside it is not taken either"
+    assert "round: must be an integer" in (client.last_error(KEY) or "")
+
+
 def test_heartbeat_at_half_the_lease_lifetime_while_permits_are_in_use() -> None:
     clock = FakeClock()
     client = _client_with_lease(clock, ttl=100.0)

@@ -83,6 +83,10 @@ BAD = [
      "leases[0].group"),
     ("sync-with-demand", sync("a") | {"demand": [{"group": None, "count": 1, "oldest_at": 1}]},
      "demand"),
+    ("negative-seen-round", with_(seen_round=-1), "seen_round"),
+    ("bool-seen-round", with_(seen_round=True), "seen_round"),
+    ("huge-seen-round", with_(seen_round=2**63), "seen_round"),
+    ("string-seen-round", with_(seen_round="3"), "seen_round"),
 ]
 
 
