@@ -169,7 +169,8 @@ class Gate(Hold, HolderTalk):
     def pump(self, *, collect: bool = True) -> list[Outgoing]:
         """Admit what permits allow. With `collect` (the timer's pumps, and wakes with news
         for the holder) also drop revoked and overdue held requests, and collect the
-        messages due; sweeping every key for those is most of a pump's cost."""
+        messages due; sweeping every key for those is most of a pump's cost. A pump
+        without `collect` collects too if it leaves a slot free with tasks held."""
         with self.lock:
             if self._ended and self._release_ended():
                 collect = True  # a release others wait for: news for the holder
@@ -177,7 +178,9 @@ class Gate(Hold, HolderTalk):
                 self._start_passed()
                 self._admit()
                 self._raise_for_idle_pool()
-                if not self._return_unused():
+                # A slot still free with tasks held: permits at hand could not start
+                # them, so the holder is asked for theirs now, not at the timer's pump.
+                if not self._return_unused() and not (self.state.held and self._free() > 0):
                     return []
             now = self.clock()
             self._hand_back_overdue(now)
@@ -315,8 +318,8 @@ class Gate(Hold, HolderTalk):
         # before pass_on, which forgets the item.
         permit = client.permit(item) if self._waited_on else None
         successor = client.pass_on(item)
-        if successor is None and self.state.held:
-            return None, True  # the freed slot may need a permit for a held task: ask now
+        # A freed slot with tasks held is no news by itself: the pump it wakes asks the
+        # holder only if no permit at hand starts one there (pump).
         return successor, permit is not None and client.waited_on(permit.key)
 
     def stop(self) -> None:
