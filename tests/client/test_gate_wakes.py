@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -132,19 +134,26 @@ def test_an_event_loop_release_whose_successor_was_the_last_held_wakes_nothing()
     assert loop.take_wakes() == []  # a free slot, but nothing held for a pump to start
 
 
-def test_a_freed_slot_a_permit_at_hand_fills_wakes_a_pump_that_sends_nothing() -> None:
-    # The ended task's key has nothing queued; acct-2's held task has its grant, kept
-    # for this soon-free slot: the pump starts it and has nothing to ask the holder.
+def another_key_held(answer: Callable[[float], dict[str, Any]]
+                     ) -> tuple[Gate, Loop, FakeRequest, FakeRequest]:
+    """A one-slot gate running KEY's task on the event loop, and acct-2's task held behind
+    it: asked for, and answered with `answer(now)`."""
     gate, loop, first = leased_gate(pool=1)
-    gate.loop_thread = threading.get_ident()
-    clock = gate.clock
+    gate.loop_thread = threading.get_ident()  # a prefork pool's results arrive here
     other = FakeRequest(key="acct-2")
     gate.submit(other)
     (message,) = gate.pump()
-    assert gate.on_reply(message.correlation_id, reply(
-        clock.now, key="acct-2", grants=[grant("G1", claim_deadline=clock.now + 30.0)]))
+    assert gate.on_reply(message.correlation_id, answer(gate.clock.now))
     assert gate.pump() == [] and len(gate.state.held) == 1
     loop.take_wakes()
+    return gate, loop, first, other
+
+
+def test_a_freed_slot_a_permit_at_hand_fills_wakes_a_pump_that_sends_nothing() -> None:
+    # The ended task's key has nothing queued; acct-2's held task has its grant, kept
+    # for this soon-free slot: the pump starts it and has nothing to ask the holder.
+    gate, loop, first, other = another_key_held(lambda now: reply(
+        now, key="acct-2", grants=[grant("G1", claim_deadline=now + 30.0)]))
     first.on_success(None)
     assert loop.take_wakes() == [False]  # a light pump: no sweep of every key for it
     assert gate.pump(collect=False) == [] and loop.started == [first.id, other.id]
@@ -153,18 +162,10 @@ def test_a_freed_slot_a_permit_at_hand_fills_wakes_a_pump_that_sends_nothing() -
 def test_a_freed_slot_no_permit_at_hand_fills_wakes_a_pump_that_asks() -> None:
     # acct-2's held task has no permit (its limit is full) and its key is due again: the
     # slot would idle until the timer's pump if the light pump did not collect.
-    gate, loop, first = leased_gate(pool=1)
-    gate.loop_thread = threading.get_ident()
-    clock = gate.clock
-    other = FakeRequest(key="acct-2")
-    gate.submit(other)
-    (message,) = gate.pump()
-    assert gate.on_reply(message.correlation_id, reply(
-        clock.now, key="acct-2", next_request_at=clock.now + 1.0,
+    gate, loop, first, _ = another_key_held(lambda now: reply(
+        now, key="acct-2", next_request_at=now + 1.0,
         blocked=[{"group": None, "reason": "limit", "queued": 1}]))
-    assert gate.pump() == []
-    clock.advance(1.0)
-    loop.take_wakes()
+    gate.clock.advance(1.0)
     first.on_success(None)
     assert loop.take_wakes() == [False]
     (asked,) = gate.pump(collect=False)
