@@ -85,7 +85,13 @@ def stop_process(proc: subprocess.Popen[bytes], *, grace: float = 15.0) -> None:
 def session_cpu(session: int) -> float:
     """CPU seconds (user + system) of the live processes of one session: a worker
     started here leads its own session, so this is it and its pool children."""
-    total = 0
+    return sum(session_cpu_parts(session))
+
+
+def session_cpu_parts(session: int) -> tuple[float, float]:
+    """session_cpu split in two: the session leader (a worker's main process, which runs
+    its event loop, the gate and Celery's consumer) and the rest (its pool children)."""
+    leader = rest = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -95,8 +101,12 @@ def session_cpu(session: int) -> float:
         except OSError:
             continue  # gone meanwhile
         if int(fields[3]) == session:  # fields from state on: session is the 6th stat field
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+            ticks = int(fields[11]) + int(fields[12])
+            if int(entry) == session:
+                leader += ticks
+            else:
+                rest += ticks
+    return leader / os.sysconf("SC_CLK_TCK"), rest / os.sysconf("SC_CLK_TCK")
 
 
 class Cluster:

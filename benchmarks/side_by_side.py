@@ -16,7 +16,9 @@
 #
 # Needs the services of `python -m benchmarks` (Redis, PostgreSQL). Prints each pass
 # and the mean ratio, with each worker's CPU per task over its drain (a lower rate at
-# the same CPU per task is a worker left waiting, not one doing more work), and
+# the same CPU per task is a worker left waiting, not one doing more work) and the
+# part of it in the worker's main process (the gate's share: a prefork pool's
+# children run the same task code in either variant), and
 # writes them to benchmarks/results/side_by_side.txt (the latest run; earlier ones
 # are in git).
 from __future__ import annotations
@@ -38,7 +40,7 @@ from benchmarks.cluster import (
     Cluster,
     create_database,
     running,
-    session_cpu,
+    session_cpu_parts,
     suite_config,
 )
 from benchmarks.measure import FREE_LIMIT, _publish
@@ -130,7 +132,7 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
     control = cluster.app.control
     # Each worker's CPU over its drain: whether a lower rate is CPU per task or a
     # worker left waiting (a pool slot idle between one task and the next).
-    cpu = [session_cpu(session) for session in cluster.client_sessions]
+    cpu = [session_cpu_parts(session) for session in cluster.client_sessions]
     for n in order:
         control.add_consumer(queues[n], destination=[cluster.client_hostnames[n]],
                              reply=True, timeout=5)
@@ -140,8 +142,9 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
                                 reply=True, timeout=5)
     if not drained:
         raise RuntimeError(f"measured tasks not done in {CAP:.0f} s (logs in {LOG_DIR})")
-    cpu = [session_cpu(session) - before
-           for session, before in zip(cluster.client_sessions, cpu, strict=True)]
+    cpu = [(main - before[0], rest - before[1])
+           for (main, rest), before in zip(map(session_cpu_parts, cluster.client_sessions),
+                                           cpu, strict=True)]
     rows = [cluster.intervals(side) for side in runs]
     per_s, window = rates(rows)
     # When each worker started, after the earlier one: a late start is a first round
@@ -149,7 +152,8 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
     firsts = [min(row[0] for row in side) for side in rows]
     return {"variants": variants, "per_s": per_s, "window": window,
             "late": [first - min(firsts) for first in firsts],
-            "cpu_ms": [1000 * seconds / tasks for seconds in cpu]}
+            "cpu_ms": [1000 * sum(parts) / tasks for parts in cpu],
+            "main_cpu_ms": [1000 * parts[0] / tasks for parts in cpu]}
 
 
 def summary(variant: str, passes: Sequence[dict[str, Any]]) -> str:
@@ -160,13 +164,16 @@ def summary(variant: str, passes: Sequence[dict[str, Any]]) -> str:
             f"± {spread:.3f} (standard error), median {statistics.median(ratios):.3f}, "
             f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} passes; "
             f"worker CPU per task {_cpu(variant, passes):.3f} ms against plain's "
-            f"{_cpu('plain', passes):.3f}")
+            f"{_cpu('plain', passes):.3f}, of which in its main process "
+            f"{_cpu(variant, passes, 'main_cpu_ms'):.3f} against "
+            f"{_cpu('plain', passes, 'main_cpu_ms'):.3f}")
 
 
-def _cpu(variant: str, passes: Sequence[dict[str, Any]]) -> float:
-    """The median CPU milliseconds per task of the workers that ran `variant`."""
+def _cpu(variant: str, passes: Sequence[dict[str, Any]], field: str = "cpu_ms") -> float:
+    """The median CPU milliseconds per task (`field`: all of it, or the main process's)
+    of the workers that ran `variant`."""
     return statistics.median(float(ms) for p in passes
-                             for v, ms in zip(p["variants"], p["cpu_ms"], strict=True)
+                             for v, ms in zip(p["variants"], p[field], strict=True)
                              if v == variant)
 
 
@@ -197,9 +204,10 @@ def main() -> None:
                                   keys=options.keys, first=(n // 2) % 2)
                 passes.append(result)
                 lines.append(f"  pass {n + 1}: " + ", ".join(
-                    f"worker {w} {v} {r:7.1f}/s {ms:.2f} ms CPU/task" for w, (v, r, ms)
-                    in enumerate(zip(result["variants"], result["per_s"], result["cpu_ms"],
-                                     strict=True)))
+                    f"worker {w} {v} {r:7.1f}/s {ms:.2f} ms CPU/task ({main:.2f} main)"
+                    for w, (v, r, ms, main) in enumerate(zip(
+                        result["variants"], result["per_s"], result["cpu_ms"],
+                        result["main_cpu_ms"], strict=True)))
                     + f" over {result['window']:.1f} s (first starts +"
                     + "/+".join(f"{late:.2f}" for late in result["late"]) + " s)")
                 print(lines[-1], flush=True)
