@@ -17,11 +17,9 @@ from .queue import ClientQueue
 _DEADLINE = attrgetter("claim_deadline")
 KEEP_AT_LEAST = 1.0
 """Seconds before its claim margin a grant permit kept for a soon-free slot goes back."""
-SOON_FREE_WAIT = 0.3
+SOON_FREE_WAIT = 0.1
 """Seconds a grant permit is kept for a slot that has not come free yet: a task that runs
-longer is not "soon", and another worker with a free slot may be waiting for the permit.
-Shorter, the permit was often gone when the slot freed, and the slot went to a task whose
-permit was at hand: a serial chain whose next task sat here waited a whole task."""
+longer is not "soon", and another worker with a free slot may be waiting for the permit."""
 
 
 class Settings(Protocol):
