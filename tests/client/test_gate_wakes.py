@@ -185,17 +185,26 @@ def test_a_slot_that_frees_soon_is_asked_for_by_another_keys_request() -> None:
     assert loop.take_wakes() == [False]
 
 
-def test_a_permit_kept_for_a_soon_free_slot_starts_its_task_when_the_slot_frees() -> None:
-    # The running task ends within SOON_FREE_WAIT of the permit's arrival: the held task
-    # of the other key takes the slot on that permit, with no round trip.
+def permit_for_a_soon_free_slot() -> tuple[Gate, Loop, FakeRequest, FakeRequest, float]:
+    """A one-slot pool runs KEY's task; acct-2's held task got grant G1 for that slot,
+    which frees when the task ends (nothing of KEY is queued): the gate, its loop, KEY's
+    running request, acct-2's held one, G1's claim deadline."""
     gate, loop, first = leased_gate(pool=1)
     clock = gate.clock
     other = FakeRequest(key="acct-2")
     gate.submit(other)
     (message,) = gate.pump()
+    deadline = clock.now + 30.0
     assert gate.on_reply(message.correlation_id, reply(
-        clock.now, key="acct-2", grants=[grant("G1", claim_deadline=clock.now + 30.0)]))
-    clock.advance(SOON_FREE_WAIT * 0.9)
+        clock.now, key="acct-2", grants=[grant("G1", claim_deadline=deadline)]))
+    return gate, loop, first, other, deadline
+
+
+def test_a_permit_kept_for_a_soon_free_slot_starts_its_task_when_the_slot_frees() -> None:
+    # The running task ends within SOON_FREE_WAIT of the permit's arrival: the held task
+    # of the other key takes the slot on that permit, with no round trip.
+    gate, loop, first, other, _ = permit_for_a_soon_free_slot()
+    gate.clock.advance(SOON_FREE_WAIT * 0.9)
     assert gate.pump() == [] and loop.started == [first.id]  # still kept
     first.on_success(None)
     gate.pump(collect=False)
@@ -206,14 +215,8 @@ def test_a_permit_kept_for_a_soon_free_slot_starts_its_task_when_the_slot_frees(
 def test_a_permit_kept_for_a_slot_that_stays_busy_goes_back_with_its_message() -> None:
     # The soon-free slot's task runs on: after SOON_FREE_WAIT the permit goes back, and
     # the message to the broker, first in line, for a worker with a free slot to take.
-    gate, _, _ = leased_gate(pool=1)
+    gate, _, _, other, deadline = permit_for_a_soon_free_slot()
     clock = gate.clock
-    other = FakeRequest(key="acct-2")
-    gate.submit(other)
-    (message,) = gate.pump()
-    deadline = clock.now + 30.0
-    assert gate.on_reply(message.correlation_id, reply(
-        clock.now, key="acct-2", grants=[grant("G1", claim_deadline=deadline)]))
     assert gate.pump() == [] and len(gate.state.held) == 1  # kept: the slot may free soon
     clock.advance(SOON_FREE_WAIT * 1.1)
     (given_back,) = gate.pump()
