@@ -28,11 +28,16 @@ def test_rates_refuse_workers_that_never_ran_together() -> None:
 
 
 def test_summary_divides_by_plain_whichever_worker_ran_it() -> None:
-    passes = [{"variants": ("plain", "leases"), "per_s": [100.0, 90.0], "cpu_ms": [1.0, 1.2]},
-              {"variants": ("leases", "plain"), "per_s": [110.0, 100.0], "cpu_ms": [1.4, 1.1]}]
+    passes = [{"variants": ("plain", "leases"), "per_s": [100.0, 90.0], "cpu_ms": [1.0, 1.2],
+               "main_cpu_ms": [0.6, 0.8]},
+              {"variants": ("leases", "plain"), "per_s": [110.0, 100.0], "cpu_ms": [1.4, 1.1],
+               "main_cpu_ms": [0.9, 0.7]}]
     text = summary("leases", passes)
     assert "mean 1.000" in text and "range 0.900-1.100" in text
-    # Each variant's CPU per task is the median over the workers that ran it.
+    # Each variant's CPU per task, and its main process's part, is the median over the
+    # workers that ran it.
     assert "CPU per task 1.300 ms against plain's 1.050" in text
-    same = [{"variants": ("plain", "plain"), "per_s": [100.0, 95.0], "cpu_ms": [1.0, 1.0]}]
+    assert "in its main process 0.850 against 0.650" in text
+    same = [{"variants": ("plain", "plain"), "per_s": [100.0, 95.0], "cpu_ms": [1.0, 1.0],
+             "main_cpu_ms": [0.5, 0.5]}]
     assert "mean 0.950" in summary("plain", same)  # the second worker over the first
