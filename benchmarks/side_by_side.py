@@ -132,7 +132,7 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
     control = cluster.app.control
     # Each worker's CPU over its drain: whether a lower rate is CPU per task or a
     # worker left waiting (a pool slot idle between one task and the next).
-    cpu = [session_cpu_parts(session) for session in cluster.client_sessions]
+    before = [session_cpu_parts(session) for session in cluster.client_sessions]
     for n in order:
         control.add_consumer(queues[n], destination=[cluster.client_hostnames[n]],
                              reply=True, timeout=5)
@@ -142,9 +142,9 @@ def one_pass(cluster: Cluster, variants: tuple[str, str], *, tasks: int,
                                 reply=True, timeout=5)
     if not drained:
         raise RuntimeError(f"measured tasks not done in {CAP:.0f} s (logs in {LOG_DIR})")
-    cpu = [(main - before[0], rest - before[1])
-           for (main, rest), before in zip(map(session_cpu_parts, cluster.client_sessions),
-                                           cpu, strict=True)]
+    after = [session_cpu_parts(session) for session in cluster.client_sessions]
+    cpu = [(main - main_before, rest - rest_before)
+           for (main, rest), (main_before, rest_before) in zip(after, before, strict=True)]
     rows = [cluster.intervals(side) for side in runs]
     per_s, window = rates(rows)
     # When each worker started, after the earlier one: a late start is a first round
